@@ -1,0 +1,156 @@
+"""LoGRA hyper-parameters: one validated dataclass with the paper's defaults."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+DEFAULT_TARGET_MODULES: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+# Fields that define the sketches and projections themselves. A checkpoint written with
+# different values cannot be resumed: its row moments and update counter would describe
+# other random projections.
+STRUCTURAL_FIELDS: tuple[str, ...] = ("rank", "seed", "distribution", "refresh", "target_modules")
+
+
+@dataclass
+class LoGRAConfig:
+    """Every LoGRA knob, with the defaults of the paper (section numbers of the spec).
+
+    Invalid values raise ``ValueError`` naming the field and its allowed range.
+    """
+
+    # section 2: projections
+    rank: int = 256
+    seed: int = 42
+    distribution: Literal["rademacher", "gaussian"] = "rademacher"
+    refresh: bool = True
+    # section 1: which weights
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    # section 5: RowAdam
+    beta2: float = 0.95
+    epsilon: float = 1e-8
+    # section 6: global step size
+    update_ratio: float = 6e-5
+    # section 7: predicted-KL controller
+    kl_budget: float = 2e-4
+    kl_budget_final: float = 2e-5
+    schedule_steps: int = 300
+    alpha_max: float = 3.0
+    temperature: float = 1.0
+    probe_responses: int = 2
+    probe_max_tokens: int = 4096
+    mismatch_subtraction: bool = True
+    mismatch_ema_weight: float = 0.3
+    mismatch_budget_floor: float = 0.5
+    update_factor_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    # layout (beyond the reference): "auto" reduce-scatters sketches by weight rows when
+    # the weights are row-sharded over more than one rank, else all-reduces them.
+    sketch_reduction: Literal["auto", "all_reduce", "reduce_scatter"] = "auto"
+    row_chunk: int = 256
+
+    def __post_init__(self) -> None:
+        self.target_modules = list(self.target_modules)
+        self.validate()
+
+    def validate(self) -> None:
+        _require(self, "rank", isinstance(self.rank, int) and self.rank >= 1, "an integer >= 1")
+        _require(self, "seed", isinstance(self.seed, int) and self.seed >= 0, "an integer >= 0")
+        _choice(self, "distribution", ("rademacher", "gaussian"))
+        _require(self, "refresh", isinstance(self.refresh, bool), "true or false")
+        _require(
+            self,
+            "target_modules",
+            len(self.target_modules) > 0
+            and all(isinstance(t, str) and t and "." not in t for t in self.target_modules),
+            "a non-empty list of module names (last name component, e.g. 'q_proj')",
+        )
+        _open_unit(self, "beta2")
+        _positive(self, "epsilon")
+        _positive(self, "update_ratio")
+        _positive(self, "kl_budget")
+        _positive(self, "kl_budget_final")
+        _require(
+            self,
+            "schedule_steps",
+            isinstance(self.schedule_steps, int) and self.schedule_steps >= 1,
+            "an integer >= 1",
+        )
+        _require(self, "alpha_max", _finite(self.alpha_max) and self.alpha_max >= 1.0, ">= 1")
+        _positive(self, "temperature")
+        _require(
+            self,
+            "probe_responses",
+            isinstance(self.probe_responses, int) and self.probe_responses >= 1,
+            "an integer >= 1",
+        )
+        _require(
+            self,
+            "probe_max_tokens",
+            isinstance(self.probe_max_tokens, int) and self.probe_max_tokens >= 1,
+            "an integer >= 1",
+        )
+        _require(self, "mismatch_subtraction", isinstance(self.mismatch_subtraction, bool), "true or false")
+        _require(
+            self,
+            "mismatch_ema_weight",
+            _finite(self.mismatch_ema_weight) and 0.0 < self.mismatch_ema_weight <= 1.0,
+            "in (0, 1]",
+        )
+        _require(
+            self,
+            "mismatch_budget_floor",
+            _finite(self.mismatch_budget_floor) and 0.0 < self.mismatch_budget_floor <= 1.0,
+            "in (0, 1]",
+        )
+        _choice(self, "update_factor_dtype", ("bfloat16", "float32"))
+        _choice(self, "sketch_reduction", ("auto", "all_reduce", "reduce_scatter"))
+        _require(self, "row_chunk", isinstance(self.row_chunk, int) and self.row_chunk >= 1, "an integer >= 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> LoGRAConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"LoGRAConfig: unknown field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**values)
+
+    def structural_mismatches(self, other: dict[str, Any]) -> list[str]:
+        """Names of the fields in STRUCTURAL_FIELDS whose values differ from ``other``."""
+        mine = self.to_dict()
+        return [f"{name}: {other.get(name)!r} != {mine[name]!r}" for name in STRUCTURAL_FIELDS if other.get(name) != mine[name]]
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _require(config: LoGRAConfig, name: str, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"LoGRAConfig.{name} = {getattr(config, name)!r} is invalid: must be {allowed}")
+
+
+def _choice(config: LoGRAConfig, name: str, allowed: tuple[str, ...]) -> None:
+    _require(config, name, getattr(config, name) in allowed, "one of " + ", ".join(repr(a) for a in allowed))
+
+
+def _positive(config: LoGRAConfig, name: str) -> None:
+    value = getattr(config, name)
+    _require(config, name, _finite(value) and value > 0, "a finite number > 0")
+
+
+def _open_unit(config: LoGRAConfig, name: str) -> None:
+    value = getattr(config, name)
+    _require(config, name, _finite(value) and 0.0 < value < 1.0, "in (0, 1)")

@@ -1,0 +1,98 @@
+"""How many bytes LoGRA keeps per rank, next to what dense AdamW would keep.
+
+Computed from layer shapes alone, so a 7B or 27B configuration can be reported from a
+``meta``-device model without any weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from lightning_logra.config import LoGRAConfig
+from lightning_logra.projection import projection_storage_dtype
+from lightning_logra.sketch import find_targets
+
+FLOAT32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes per rank. ``logra_state_bytes`` is what LoGRA adds to the model's weights;
+    ``dense_adamw_bytes`` is a float32 gradient plus AdamW's two moments for the same
+    target weights (sharded over the ranks, as FSDP does); ``reference_bytes`` is the
+    reference layout (float32 sketches and projections replicated on every rank)."""
+
+    layers: int
+    target_parameters: int
+    rank: int
+    world_size: int
+    sketch_accumulator_bytes: int
+    reduced_sketch_bytes: int
+    projection_bytes: int
+    second_moment_bytes: int
+    logra_state_bytes: int
+    dense_adamw_bytes: int
+    reference_bytes: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        mib = 2**20
+        return (
+            f"LoGRA state {self.logra_state_bytes / mib:,.1f} MiB per rank (sketch accumulator "
+            f"{self.sketch_accumulator_bytes / mib:,.1f}, reduced sketch/directions {self.reduced_sketch_bytes / mib:,.1f}, "
+            f"projections {self.projection_bytes / mib:,.1f}, moments {self.second_moment_bytes / mib:,.1f}) vs dense AdamW "
+            f"{self.dense_adamw_bytes / mib:,.1f} MiB for {self.target_parameters:,} target weights in {self.layers} layers"
+        )
+
+
+def memory_report(
+    model: nn.Module,
+    config: LoGRAConfig | None = None,
+    *,
+    world_size: int = 1,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    sketch_reduction: str | None = None,
+) -> MemoryReport:
+    """LoGRA's per-rank memory for ``model``'s targets at ``world_size`` data-parallel ranks.
+
+    Every rank accumulates a full float32 sketch (its own tokens touch every row). Under
+    the reduce-scatter layout (default when world_size > 1) the reduced sketch, the RowAdam
+    directions and the row moments are split by rows; under all-reduce the sketch is
+    reduced in place and directions and moments are replicated.
+    """
+    config = config or LoGRAConfig()
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    reduction = sketch_reduction or config.sketch_reduction
+    sharded_rows = reduction in ("auto", "reduce_scatter") and world_size > 1
+    targets = find_targets(model, config.target_modules)
+    rows = sum(module.out_features for _, module in targets)
+    widths = sum(module.in_features for _, module in targets)
+    parameters = sum(module.out_features * module.in_features for _, module in targets)
+    projection_dtype = projection_storage_dtype(config.rank, config.distribution, compute_dtype)
+    projection_element = torch.empty((), dtype=projection_dtype).element_size()
+
+    owned_rows = -(-rows // world_size) if sharded_rows else rows
+    accumulator = rows * config.rank * FLOAT32
+    reduced = owned_rows * config.rank * FLOAT32 if sharded_rows else 0  # all-reduce works in place
+    directions = owned_rows * config.rank * FLOAT32
+    projections = widths * config.rank * projection_element
+    moments = owned_rows * FLOAT32
+    return MemoryReport(
+        layers=len(targets),
+        target_parameters=parameters,
+        rank=config.rank,
+        world_size=world_size,
+        sketch_accumulator_bytes=accumulator,
+        reduced_sketch_bytes=reduced + directions,
+        projection_bytes=projections,
+        second_moment_bytes=moments,
+        logra_state_bytes=accumulator + reduced + directions + projections + moments,
+        dense_adamw_bytes=-(-parameters // world_size) * 3 * FLOAT32,
+        reference_bytes=(rows + widths) * config.rank * FLOAT32,
+    )

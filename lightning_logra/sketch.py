@@ -1,0 +1,221 @@
+"""Sketched weight gradients: backward accumulates S = dY^T (X A^T) instead of dY^T X.
+
+Each target ``nn.Linear`` gets its weight frozen and a forward hook. The hook projects the
+layer input once, P = X A^T (tokens x rank), and routes the output through an autograd
+function that, in backward, adds dY^T P into the layer's float32 sketch S (d x rank) and
+passes dY through unchanged, so input gradients still flow. Over all micro-batches
+S = G A^T, where G is the dense gradient that is never formed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_logra.config import LoGRAConfig
+from lightning_logra.projection import canonical_name, make_projection, projection_seed, projection_storage_dtype
+
+
+@dataclass(eq=False)
+class SketchState:
+    """Everything LoGRA keeps for one target layer."""
+
+    name: str
+    module: nn.Linear
+    projection: torch.Tensor  # A: rank x in_features
+    sketch: torch.Tensor  # S: out_features x rank, float32, a view into one flat buffer
+    second_moment: torch.Tensor  # v: one float32 entry per weight row (per owned row when row-sharded)
+    backward_calls: int = 0
+    handles: list[RemovableHandle] = field(default_factory=list, repr=False)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.module.weight
+
+
+@dataclass(eq=False)
+class SketchSet:
+    """The installed sketches of one model: per-layer states over one flat float32 buffer.
+
+    One buffer lets a single collective reduce every sketch and a single call zero them.
+    """
+
+    states: list[SketchState]
+    buffer: torch.Tensor
+
+    def __iter__(self):
+        return iter(self.states)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def zero_(self) -> None:
+        self.buffer.zero_()
+        for state in self.states:
+            state.backward_calls = 0
+
+    def remove(self) -> None:
+        """Remove every hook; weights keep their values and stay frozen."""
+        for state in self.states:
+            for handle in state.handles:
+                handle.remove()
+            state.handles.clear()
+
+
+class _AccumulateSketch(torch.autograd.Function):
+    """Identity on the layer output whose backward adds dY^T P into the sketch."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, projected: torch.Tensor, state: SketchState) -> torch.Tensor:
+        # Saved through save_for_backward so that autograd frees P right after this node's
+        # backward, and activation checkpointing can drop and recompute it.
+        ctx.save_for_backward(projected)
+        ctx.state = state
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (projected,) = ctx.saved_tensors
+        state: SketchState = ctx.state
+        rows = grad_output.reshape(-1, grad_output.shape[-1])
+        _add_outer(state.sketch, rows, projected)
+        state.backward_calls += 1
+        return grad_output, None, None
+
+
+def _add_outer(sketch: torch.Tensor, grad_rows: torch.Tensor, projected: torch.Tensor) -> None:
+    """sketch += grad_rows^T @ projected, accumulated in float32."""
+    if grad_rows.dtype == sketch.dtype and projected.dtype == sketch.dtype:
+        sketch.addmm_(grad_rows.T, projected)
+    else:
+        sketch.addmm_(grad_rows.T.to(sketch.dtype), projected.to(sketch.dtype))
+
+
+def _sketch_hook(state: SketchState):
+    def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
+        if not torch.is_grad_enabled():
+            return None
+        inputs = args[0]
+        with torch.no_grad():
+            projection = state.projection
+            if projection.dtype != inputs.dtype:
+                projection = projection.to(inputs.dtype)
+            projected = inputs.reshape(-1, inputs.shape[-1]) @ projection.T
+        if not output.requires_grad:
+            # Frozen weight and an input that needs no grad (first layer, frozen
+            # embeddings): anchor the output here so backward still reaches this layer,
+            # without paying for input gradients below the first target.
+            output = output.detach().requires_grad_(True)
+        return _AccumulateSketch.apply(output, projected, state)
+
+    return hook
+
+
+def find_targets(model: nn.Module, target_modules: list[str] | tuple[str, ...]) -> list[tuple[str, nn.Linear]]:
+    """The (canonical name, module) of every target, in module order.
+
+    A target must be a dense ``nn.Linear``; anything else matching a target name is a
+    ``TypeError``. No match at all is a ``ValueError``.
+    """
+    wanted = set(target_modules)
+    found: list[tuple[str, nn.Linear]] = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in wanted:
+            continue
+        if not isinstance(module, nn.Linear):
+            raise TypeError(
+                f"LoGRA target {name!r} is a {type(module).__name__}, not a dense nn.Linear; "
+                "remove it from target_modules or target its Linear submodules"
+            )
+        if not module.weight.is_floating_point():
+            raise TypeError(f"LoGRA target {name!r} has a {module.weight.dtype} weight; only dense float weights can be trained")
+        found.append((canonical_name(name), module))
+    if not found:
+        raise ValueError(
+            f"no module of {type(model).__name__} matches target_modules={list(target_modules)}; "
+            "name the last component of the Linear layers to train (e.g. 'q_proj')"
+        )
+    return found
+
+
+def local_row_range(weight: torch.Tensor) -> tuple[int, int]:
+    """The global [start, stop) rows of ``weight`` held by this rank.
+
+    Plain tensors hold every row. FSDP2 DTensors sharded on dim 0 hold one contiguous
+    block; FSDP2 splits like torch.chunk (the first ranks get ceil(d / world) rows).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    rows = weight.shape[0]
+    if not isinstance(weight, DTensor):
+        return 0, rows
+    placements = weight.placements
+    if len(placements) != 1 or placements[0] != Shard(0):
+        raise ValueError(
+            f"LoGRA can update weights sharded on dim 0 over a 1-D mesh only; got placements {placements}"
+        )
+    world = weight.device_mesh.size()
+    coordinate = weight.device_mesh.get_local_rank()
+    chunk = -(-rows // world)
+    start = min(coordinate * chunk, rows)
+    stop = min(start + chunk, rows)
+    local_rows = weight.to_local().shape[0]
+    if local_rows != stop - start:
+        raise ValueError(f"unexpected shard of {local_rows} rows (expected {stop - start}) for a weight of {rows} rows")
+    return start, stop
+
+
+def install_sketches(
+    model: nn.Module,
+    config: LoGRAConfig,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    update: int = 0,
+) -> SketchSet:
+    """Freeze every target weight and hook it so that backward accumulates its sketch.
+
+    ``compute_dtype`` is the dtype the layers compute in (default: the weight dtype); the
+    projections are stored in it when that is exact, else in float32. The model's
+    ``state_dict`` keys are unchanged: nothing is registered as a parameter or buffer.
+    """
+    targets = find_targets(model, config.target_modules)
+    sizes = [module.out_features * config.rank for _, module in targets]
+    first_weight = targets[0][1].weight
+    device = torch.device(device) if device is not None else _local_device(first_weight)
+    buffer = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+    states: list[SketchState] = []
+    offset = 0
+    for (name, module), size in zip(targets, sizes):
+        module.weight.requires_grad_(False)
+        dtype = projection_storage_dtype(config.rank, config.distribution, compute_dtype or module.weight.dtype)
+        seed = projection_seed(config.seed, update if config.refresh else 0, name)
+        projection = make_projection(
+            config.rank, module.in_features, seed, device=device, dtype=dtype, distribution=config.distribution
+        )
+        state = SketchState(
+            name=name,
+            module=module,
+            projection=projection,
+            sketch=buffer[offset : offset + size].view(module.out_features, config.rank),
+            second_moment=torch.zeros(module.out_features, 1, dtype=torch.float32, device=device),
+        )
+        state.handles.append(module.register_forward_hook(_sketch_hook(state)))
+        states.append(state)
+        offset += size
+    return SketchSet(states=states, buffer=buffer)
+
+
+def remove_sketches(sketches: SketchSet) -> None:
+    sketches.remove()
+
+
+def _local_device(weight: torch.Tensor) -> torch.device:
+    device = weight.device
+    if device.type == "meta":
+        raise ValueError("cannot install sketches on a meta-device model; materialise the weights first")
+    return device
