@@ -1,0 +1,162 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from lightning_logra import LoGRAConfig, LoGRAOptimizer, kl_step_scale, predicted_kl, probe_predicted_kl, scheduled_budget
+from lightning_logra.kl import effective_budget, measured_kl, observed_mismatch, update_mismatch
+
+
+def test_predicted_kl_matches_the_exact_kl_of_a_small_logit_step():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=generator, dtype=torch.float64) * 3
+    tangent = torch.randn(6, 50, generator=generator, dtype=torch.float64)
+    for temperature in (1.0, 0.7):
+        step = 1e-3
+        exact = measured_kl(logits, logits + step * tangent, temperature=temperature)
+        predicted = step**2 * predicted_kl(logits, tangent, temperature=temperature)
+        assert math.isclose(predicted.item(), exact.item(), rel_tol=1e-3)
+
+
+def test_predicted_kl_is_a_float64_masked_mean():
+    logits = torch.zeros(2, 3, 4)
+    tangent = torch.zeros(2, 3, 4)
+    tangent[0, 0, 0] = 2.0  # p uniform: 0.5 * E[(u - E u)^2] = 0.5 * (4/4 - (2/4)^2) = 0.375
+    mask = torch.tensor([[1, 0, 0], [0, 0, 1]])
+    value = predicted_kl(logits, tangent, mask=mask)
+    assert value.dtype == torch.float64 and value.item() == pytest.approx(0.375 / 2)
+    assert predicted_kl(logits, tangent, mask=torch.zeros(2, 3)).item() == 0.0
+
+
+def test_step_scale():
+    assert kl_step_scale(4e-4, budget=1e-4, alpha_max=3.0) == pytest.approx(0.5)
+    assert kl_step_scale(1e-12, budget=1e-4, alpha_max=3.0) == 3.0
+    assert kl_step_scale(0.0, budget=1e-4) == 1.0
+    for bad in (float("nan"), -1e-9, float("inf")):
+        with pytest.raises(FloatingPointError):
+            kl_step_scale(bad, budget=1e-4)
+
+
+def test_budget_schedule_is_a_cosine_from_start_to_final():
+    config = LoGRAConfig()
+    assert scheduled_budget(config, 0) == pytest.approx(2e-4)
+    assert scheduled_budget(config, 299) == pytest.approx(2e-5)
+    assert scheduled_budget(config, 5000) == pytest.approx(2e-5)
+    middle = 2e-5 + 0.5 * 1.8e-4 * (1 + math.cos(math.pi * 100 / 299))
+    assert scheduled_budget(config, 100) == pytest.approx(middle, rel=1e-12)
+
+
+def test_mismatch_ema_and_budget_floor():
+    rollout = torch.tensor([[-1.0, -2.0, 0.0]])
+    trainer = torch.tensor([[-1.5, -2.1, -9.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    assert observed_mismatch(rollout, trainer, mask) == pytest.approx(0.3)
+    assert observed_mismatch(trainer, rollout, mask) == 0.0  # clipped at 0
+    assert update_mismatch(0.1, 0.3, ema_weight=0.3) == pytest.approx(0.7 * 0.1 + 0.3 * 0.3)
+    assert effective_budget(2e-4, 5e-5, floor=0.5) == pytest.approx(1.5e-4)
+    assert effective_budget(2e-4, 5e-4, floor=0.5) == pytest.approx(1e-4)
+
+
+def tiny_qwen2(attention: str = "eager") -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    config._attn_implementation = attention
+    return Qwen2ForCausalLM(config)
+
+
+def sequences() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    input_ids = torch.randint(0, 97, (3, 12), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[2, :3] = 0  # a left-padded row
+    completion = torch.zeros_like(input_ids)
+    completion[:, 5:] = 1  # the last 7 tokens were "generated"
+    logits_mask = completion[:, 1:].bool()
+    logits_mask = torch.cat([logits_mask, torch.zeros(3, 1, dtype=torch.bool)], dim=1)
+    return input_ids, attention_mask, logits_mask
+
+
+def prepared_model(attention: str = "eager"):
+    model = tiny_qwen2(attention)
+    optimizer = LoGRAOptimizer(model, LoGRAConfig(rank=16, update_ratio=2e-3, update_factor_dtype="float32"))
+    input_ids, attention_mask, _ = sequences()
+    model.train()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 97), input_ids[:, 1:].reshape(-1))
+    loss.backward()
+    optimizer.prepare_update(normalization_tokens=1)
+    return model, optimizer
+
+
+@torch.no_grad()
+def logits_of(model, input_ids, attention_mask):
+    model.eval()
+    return model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def test_jvp_probe_predicts_the_measured_kl_of_the_applied_update():
+    model, optimizer = prepared_model()
+    input_ids, attention_mask, logits_mask = sequences()
+    prediction = probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask, position_chunk=5)
+    alpha = kl_step_scale(prediction, budget=1e-4, alpha_max=3.0)
+    before = logits_of(model, input_ids, attention_mask)
+    optimizer.step(alpha=alpha)
+    after = logits_of(model, input_ids, attention_mask)
+    measured = measured_kl(before, after, mask=logits_mask).item()
+    assert measured > 0
+    assert alpha**2 * prediction == pytest.approx(measured, rel=0.05)
+
+
+def test_chunked_head_path_equals_full_logits_path():
+    model, optimizer = prepared_model()
+    input_ids, attention_mask, logits_mask = sequences()
+    chunked = probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask, position_chunk=4)
+
+    class WithoutHeadAccess(nn.Module):  # forces the full-logits path
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kwargs):
+            return self.inner(**kwargs).logits
+
+    full = probe_predicted_kl(WithoutHeadAccess(model), optimizer.probe_layers(), input_ids, attention_mask, logits_mask)
+    assert chunked == pytest.approx(full, rel=1e-6)
+    assert chunked > 0
+
+
+def test_probe_works_with_sdpa_and_restores_modes_and_attention():
+    model, optimizer = prepared_model("eager")
+    input_ids, attention_mask, logits_mask = sequences()
+    eager = probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask)
+    model.set_attn_implementation("sdpa")
+    model.train()
+    model.model.layers[0].eval()  # a mixed state must come back exactly
+    sdpa = probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask)
+    assert sdpa == pytest.approx(eager, rel=1e-5)
+    assert model.training and not model.model.layers[0].training and model.model.layers[1].training
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_probe_restores_training_mode_on_error():
+    model, optimizer = prepared_model()
+    model.train()
+    input_ids, attention_mask, logits_mask = sequences()
+    with pytest.raises(IndexError):
+        probe_predicted_kl(model, optimizer.probe_layers(), input_ids + 1000, attention_mask, logits_mask)
+    assert all(module.training for module in model.modules())
+    assert all(not module._forward_hooks or len(module._forward_hooks) == 1 for module in model.modules())
+
+
+def test_probe_does_not_modify_weights_or_sketch_anything():
+    model, optimizer = prepared_model()
+    input_ids, attention_mask, logits_mask = sequences()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(state.backward_calls == 1 for state in optimizer.sketches)

@@ -1,0 +1,223 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_logra import LoGRAConfig, LoGRAOptimizer
+
+TARGETS = ["up_proj", "down_proj"]
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(13, 8)
+        self.up_proj = nn.Linear(8, 300)  # > 256 rows: the update runs in two row chunks
+        self.down_proj = nn.Linear(300, 8)
+        self.head = nn.Linear(8, 13)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        return self.head(h + self.down_proj(torch.relu(self.up_proj(h))))
+
+
+def make(init_seed: int = 0, **overrides) -> tuple[Mlp, LoGRAOptimizer]:
+    torch.manual_seed(init_seed)
+    model = Mlp()
+    config = LoGRAConfig(**{"rank": 16, "target_modules": TARGETS, **overrides})
+    return model, LoGRAOptimizer(model, config)
+
+
+def batches(step: int, count: int = 2) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return [torch.randint(0, 13, (3, 6), generator=generator) for _ in range(count)]
+
+
+def train_step(model: Mlp, optimizer: LoGRAOptimizer, step: int, alpha: float = 1.0) -> None:
+    optimizer.zero_grad()
+    for tokens in batches(step):
+        logits = model(tokens[:, :-1])
+        nn.functional.cross_entropy(logits.reshape(-1, 13), tokens[:, 1:].reshape(-1), reduction="sum").backward()
+    optimizer.prepare_update(normalization_tokens=2 * 3 * 5)
+    optimizer.step(alpha=alpha)
+
+
+def weights(optimizer: LoGRAOptimizer) -> list[torch.Tensor]:
+    return [state.weight.detach().clone() for state in optimizer.sketches]
+
+
+def test_construction_freezes_everything_and_tracks_the_targets():
+    model, optimizer = make()
+    assert not any(p.requires_grad for p in model.parameters())
+    assert [state.name for state in optimizer.sketches] == TARGETS
+    assert optimizer.param_groups[0]["params"] == [model.up_proj.weight, model.down_proj.weight]
+    assert optimizer.param_groups[0]["lr"] == 6e-5
+
+
+def test_proposed_update_has_norm_update_ratio_times_weight_norm():
+    model, optimizer = make(update_ratio=1e-3)
+    for tokens in batches(0):
+        model(tokens).sum().backward()
+    prepared = optimizer.prepare_update(normalization_tokens=36)
+    weight_norm = math.sqrt(sum(w.double().pow(2).sum().item() for w in weights(optimizer)))
+    update_norm = math.sqrt(
+        sum((d.double() @ s.projection.double()).pow(2).sum().item() for d, s in zip(prepared.directions, optimizer.sketches))
+    )
+    assert math.isclose(prepared.weight_norm, weight_norm, rel_tol=1e-12)
+    assert math.isclose(update_norm, 1e-3 * weight_norm, rel_tol=1e-6)
+    assert math.isclose(prepared.update_norm, update_norm, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("factor_dtype", ["float32", "bfloat16"])
+def test_applied_update_is_w_minus_alpha_d_a(factor_dtype):
+    model, optimizer = make(update_factor_dtype=factor_dtype)
+    for tokens in batches(0):
+        model(tokens).sum().backward()
+    prepared = optimizer.prepare_update(normalization_tokens=36)
+    before = weights(optimizer)
+    projections = [state.projection.clone() for state in optimizer.sketches]
+    optimizer.step(alpha=2.5)
+    for w, d, a, after in zip(before, prepared.directions, projections, weights(optimizer)):
+        scaled = (2.5 * d).to(getattr(torch, factor_dtype)).float()
+        torch.testing.assert_close(after, w - scaled @ a, rtol=0, atol=1e-7)
+        assert not torch.equal(after, w)
+    assert optimizer.update_count == 1
+    for state, old in zip(optimizer.sketches, projections):
+        assert not torch.equal(state.projection, old)  # redrawn for the next update
+        assert state.sketch.abs().sum() == 0
+
+
+def test_projection_is_fixed_without_refresh():
+    model, optimizer = make(refresh=False)
+    before = [state.projection.clone() for state in optimizer.sketches]
+    train_step(model, optimizer, 0)
+    assert all(torch.equal(s.projection, b) for s, b in zip(optimizer.sketches, before))
+
+
+def test_learning_rate_scheduler_scales_the_update():
+    model, optimizer = make()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+    assert optimizer.param_groups[0]["lr"] == 3e-5
+    for tokens in batches(0):
+        model(tokens).sum().backward()
+    prepared = optimizer.prepare_update(normalization_tokens=1)
+    assert math.isclose(prepared.update_norm, 3e-5 * prepared.weight_norm, rel_tol=1e-6)
+    del scheduler
+
+
+def test_step_without_prepared_update_is_an_error():
+    _, optimizer = make()
+    with pytest.raises(RuntimeError, match="prepare_update"):
+        optimizer.step()
+
+
+def test_prepare_without_backward_is_an_error():
+    _, optimizer = make()
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        optimizer.prepare_update(normalization_tokens=1)
+
+
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), -1.0])
+def test_bad_alpha_is_an_error_and_changes_nothing(alpha):
+    model, optimizer = make()
+    model(batches(0)[0]).sum().backward()
+    optimizer.prepare_update(normalization_tokens=1)
+    before = weights(optimizer)
+    with pytest.raises(FloatingPointError, match="alpha"):
+        optimizer.step(alpha=alpha)
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(optimizer)))
+    assert optimizer.update_count == 0
+
+
+def test_bad_token_count_is_an_error():
+    model, optimizer = make()
+    model(batches(0)[0]).sum().backward()
+    with pytest.raises(ValueError, match="normalization_tokens"):
+        optimizer.prepare_update(normalization_tokens=0)
+
+
+def test_non_finite_sketch_raises_and_skip_update_keeps_state():
+    model, optimizer = make()
+    model(batches(0)[0]).sum().backward()
+    optimizer.sketches.states[1].sketch[0, 0] = float("nan")
+    before = weights(optimizer)
+    moments = [s.second_moment.clone() for s in optimizer.sketches]
+    with pytest.raises(FloatingPointError, match="down_proj"):
+        optimizer.prepare_update(normalization_tokens=1)
+    optimizer.skip_update()
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(optimizer)))
+    assert all(torch.equal(s.second_moment, m) for s, m in zip(optimizer.sketches, moments))
+    assert optimizer.update_count == 0 and optimizer.sketches.buffer.abs().sum() == 0
+    train_step(model, optimizer, 1)  # and training goes on
+    assert optimizer.update_count == 1
+
+
+def test_skip_update_after_prepare_leaves_weights_moments_and_counter():
+    model, optimizer = make()
+    model(batches(0)[0]).sum().backward()
+    optimizer.prepare_update(normalization_tokens=1)
+    moments = [s.second_moment.clone() for s in optimizer.sketches]
+    optimizer.skip_update()
+    assert all(torch.equal(s.second_moment, m) for s, m in zip(optimizer.sketches, moments))
+    assert optimizer.update_count == 0 and optimizer.prepared is None
+
+
+def test_target_used_functionally_is_named_at_the_first_step():
+    class WithAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.up_proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.up_proj(self.attention(x, x, x)[0])
+
+    model = WithAttention()
+    optimizer = LoGRAOptimizer(model, LoGRAConfig(rank=2, target_modules=["out_proj", "up_proj"]))
+    model(torch.randn(2, 3, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match="attention.out_proj"):
+        optimizer.prepare_update(normalization_tokens=1)
+
+
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
+    model, optimizer = make()
+    for step in range(4):
+        train_step(model, optimizer, step)
+
+    first, first_optimizer = make()
+    for step in range(2):
+        train_step(first, first_optimizer, step)
+    torch.save({"model": first.state_dict(), "optimizer": first_optimizer.state_dict()}, tmp_path / "ckpt.pt")
+
+    resumed, resumed_optimizer = make(init_seed=123)  # other initial weights: all must come from the checkpoint
+    checkpoint = torch.load(tmp_path / "ckpt.pt")
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    for step in range(2, 4):
+        train_step(resumed, resumed_optimizer, step)
+
+    assert resumed_optimizer.update_count == optimizer.update_count == 4
+    for a, b in zip(resumed_optimizer.sketches, optimizer.sketches):
+        assert torch.equal(a.weight, b.weight)
+        assert torch.equal(a.second_moment, b.second_moment)
+        assert torch.equal(a.projection, b.projection)
+
+
+@pytest.mark.parametrize(("field", "value"), [("rank", 8), ("seed", 1), ("distribution", "gaussian"), ("target_modules", ["up_proj"])])
+def test_loading_a_state_from_another_config_is_an_error(field, value):
+    _, optimizer = make()
+    state = optimizer.state_dict()
+    _, other = make(**{field: value})
+    with pytest.raises(ValueError, match=field):
+        other.load_state_dict(state)
+
+
+def test_state_dict_holds_moments_counter_and_mismatch():
+    model, optimizer = make()
+    train_step(model, optimizer, 0)
+    optimizer.mismatch = 0.25
+    state = optimizer.state_dict()
+    assert state["update_count"] == 1 and state["mismatch"] == 0.25
+    assert set(state["second_moments"]) == set(TARGETS)
+    assert state["second_moments"]["up_proj"].shape == (300, 1)
