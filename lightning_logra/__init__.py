@@ -12,9 +12,14 @@ from lightning_logra.optimizer import LoGRAOptimizer
 from lightning_logra.projection import make_projection, projection_seed
 from lightning_logra.row_adam import row_adam_direction
 from lightning_logra.sketch import install_sketches, remove_sketches
+from lightning_logra.strategies import LoGRAFabricStrategy, LoGRAFSDPStrategy  # registers "logra_fsdp"
+from lightning_logra.callbacks import LoGRACallback  # isort: skip
 
 __all__ = [
+    "LoGRACallback",
     "LoGRAConfig",
+    "LoGRAFSDPStrategy",
+    "LoGRAFabricStrategy",
     "LoGRAOptimizer",
     "MemoryReport",
     "install_sketches",

@@ -83,15 +83,24 @@ def scheduled_budget(config: LoGRAConfig, update: int) -> float:
     return final + 0.5 * (start - final) * (1.0 + math.cos(math.pi * progress))
 
 
+def mismatch_sums(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(sum of rollout - trainer log-probs, token count) over the masked tokens, float64:
+    the two numbers to all-reduce before taking the mean across ranks."""
+    mask = mask.to(torch.bool)
+    gap = rollout_logprobs.to(torch.float64) - trainer_logprobs.to(torch.float64)
+    return torch.stack([gap[mask].sum(), mask.sum().to(torch.float64)])
+
+
 def observed_mismatch(
     rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> float:
     """max(0, mean(rollout - trainer)) over the masked tokens (EOS-terminated responses)."""
-    mask = mask.to(torch.bool)
-    if not mask.any():
-        return 0.0
-    gap = (rollout_logprobs.to(torch.float64) - trainer_logprobs.to(torch.float64))[mask].mean()
-    return max(0.0, float(gap))
+    return observed_mismatch_from_sums(mismatch_sums(rollout_logprobs, trainer_logprobs, mask))
+
+
+def observed_mismatch_from_sums(sums: torch.Tensor) -> float:
+    gap_sum, count = sums.tolist()
+    return max(0.0, gap_sum / count) if count > 0 else 0.0
 
 
 def update_mismatch(previous: float, observed: float, *, ema_weight: float = 0.3) -> float:

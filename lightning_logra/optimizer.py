@@ -289,7 +289,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 source = torch.zeros(chunk * world, rank, dtype=source.dtype, device=source.device)
                 source[:rows] = state.sketch
             received = torch.empty(chunk, rank, dtype=source.dtype, device=source.device)
-            work = dist.reduce_scatter_tensor(received, source, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            work = dist.reduce_scatter_single(received, source, op=dist.ReduceOp.SUM, group=group, async_op=True)
             pending.append((work, received, stop - start))
         local = []
         for work, received, count in pending:
@@ -350,7 +350,7 @@ def _gather_rows(local: torch.Tensor, rows: int, group: dist.ProcessGroup) -> to
     padded = torch.zeros(chunk, local.shape[1], dtype=local.dtype, device=local.device)
     padded[: local.shape[0]] = local
     gathered = torch.empty(chunk * world, local.shape[1], dtype=local.dtype, device=local.device)
-    dist.all_gather_into_tensor(gathered, padded, group=group)
+    dist.all_gather_single(gathered, padded, group=group)
     return gathered[:rows]
 
 

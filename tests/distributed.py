@@ -42,3 +42,34 @@ def run_on_two_ranks(function, *args):
             raise AssertionError(f"rank {rank} failed:\n{value}")
         values.append(value)
     return values
+
+
+def _lightning_worker(rank: int, world: int, port: int, function, args, results) -> None:
+    # What torchrun sets: Lightning then sees externally created processes, launches
+    # nothing itself, and initialises the process group from these variables.
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+        LOCAL_RANK=str(rank), GROUP_RANK="0", LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID="tests",
+    )
+    torch.set_num_threads(1)
+    try:
+        results[rank] = ("ok", function(rank, world, *args))
+    except BaseException:
+        results[rank] = ("error", traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_lightning_on_two_ranks(function, *args):
+    """Like run_on_two_ranks, for functions that build a Trainer or Fabric with devices=2."""
+    manager = mp.get_context("spawn").Manager()
+    results = manager.dict()
+    mp.start_processes(_lightning_worker, args=(2, _free_port(), function, args, results), nprocs=2, start_method="spawn")
+    values = []
+    for rank in range(2):
+        status, value = results[rank]
+        if status != "ok":
+            raise AssertionError(f"rank {rank} failed:\n{value}")
+        values.append(value)
+    return values

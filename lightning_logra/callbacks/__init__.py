@@ -1,0 +1,3 @@
+from lightning_logra.callbacks.logra import LoGRACallback
+
+__all__ = ["LoGRACallback"]

@@ -1,0 +1,208 @@
+"""What the Trainer and Fabric strategies share: FSDP2 sharding, LoGRA installation, the
+per-step update, and LoGRA's part of a distributed checkpoint. No algorithm lives here;
+it calls the plain-torch core."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_logra.config import LoGRAConfig
+from lightning_logra.optimizer import LoGRAOptimizer
+from lightning_logra.sketch import find_targets
+
+REFUSED_PRECISIONS = ("16-mixed", "16", "16-true", "transformer-engine", "transformer-engine-float16")
+
+
+class KLController(Protocol):
+    """Chooses the step scale alpha for a prepared update (LoGRACallback implements it)."""
+
+    def choose_alpha(self, optimizer: LoGRAOptimizer, policy: nn.Module) -> float: ...
+
+    def after_update(self, optimizer: LoGRAOptimizer, policy: nn.Module) -> None: ...
+
+
+def policy_module(root: nn.Module, target_modules: list[str]) -> nn.Module:
+    """The module LoGRA trains: ``root.logra_model()`` if defined, else the only direct
+    child that holds targets (the HF model of a LightningModule), else ``root`` itself."""
+    if hasattr(root, "logra_model"):
+        return root.logra_model()
+    holders = [child for name, child in root.named_children() if _holds_target(name, child, target_modules)]
+    return holders[0] if len(holders) == 1 else root
+
+
+def shard_policy(policy: nn.Module, mesh: Any, target_modules: list[str], layer_classes: list[str] | None = None) -> None:
+    """FSDP2-shard the transformer blocks, then the model that holds them.
+
+    Blocks are the classes named in ``layer_classes``, else the HF ``_no_split_modules`` of
+    the policy, else the entries of any ``nn.ModuleList``. The called model is sharded, not
+    a LightningModule: if the policy is the LightningModule itself, its children that hold
+    targets are. A policy already holding FSDP2 modules (sharded by the user in
+    ``configure_model``) is left as it is.
+    """
+    import lightning.pytorch as pl
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if any(isinstance(module, FSDPModule) for module in policy.modules()):
+        return
+    names = set(layer_classes or getattr(policy, "_no_split_modules", None) or [])
+    if names:
+        blocks = [m for m in policy.modules() if type(m).__name__ in names]
+    else:
+        blocks = [m for lst in policy.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    if isinstance(policy, pl.LightningModule):
+        for name, child in policy.named_children():
+            if _holds_target(name, child, target_modules) and not isinstance(child, FSDPModule):
+                fully_shard(child, mesh=mesh)
+    else:
+        fully_shard(policy, mesh=mesh)
+
+
+def _holds_target(name: str, module: nn.Module, target_modules: list[str]) -> bool:
+    """Whether the child ``name`` is a target or contains one."""
+    wanted = set(target_modules)
+    return any((sub or name).rsplit(".", 1)[-1] in wanted for sub, _ in module.named_modules())
+
+
+def compute_dtype_for(precision: str) -> torch.dtype | None:
+    precision = str(precision)
+    if precision in REFUSED_PRECISIONS:
+        raise ValueError(
+            f"precision={precision!r} is not supported by LoGRA: a float16 loss scaler would scale the "
+            "sketches, and float16 master weights lose updates. Use 'bf16-mixed' (GPU) or '32-true'."
+        )
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    return None
+
+
+class LoGRARuntime:
+    """Owns the LoGRA optimizer of a strategy and runs one update per optimizer step."""
+
+    def __init__(self, config: LoGRAConfig, *, train_non_targets: bool) -> None:
+        self.config = config
+        self.train_non_targets = train_non_targets
+        self.optimizer: LoGRAOptimizer | None = None
+        self.policy: nn.Module | None = None
+        self.controller: KLController | None = None
+        self.base_lr: float | None = None
+        self._warned_uncontrolled = False
+
+    def install(self, root: nn.Module, *, compute_dtype: torch.dtype | None) -> LoGRAOptimizer:
+        self.policy = policy_module(root, self.config.target_modules)
+        find_targets(self.policy, self.config.target_modules)  # clear error before anything changes
+        frozen = [p for p in root.parameters() if not p.requires_grad]
+        self.optimizer = LoGRAOptimizer(self.policy, self.config, compute_dtype=compute_dtype, freeze_non_targets=False)
+        if not self.train_non_targets:
+            for parameter in root.parameters():
+                parameter.requires_grad_(False)
+        else:
+            for parameter in frozen:  # keep the user's own freezing
+                parameter.requires_grad_(False)
+        return self.optimizer
+
+    def remember_base_lr(self, user_optimizers: list[torch.optim.Optimizer]) -> None:
+        """The user's initial learning rate: LoGRA's step is update_ratio x lr / initial lr,
+        so the user's scheduler shapes LoGRA's steps (warm-up, decay)."""
+        if user_optimizers:
+            group = user_optimizers[0].param_groups[0]
+            self.base_lr = float(group.get("initial_lr", group["lr"]))
+
+    def update(
+        self,
+        user_optimizer: torch.optim.Optimizer | None,
+        *,
+        normalization_tokens: float,
+        process_group: dist.ProcessGroup | None,
+        backward_ran: Callable[[], bool] | None = None,
+    ) -> bool:
+        """Reduce sketches, choose alpha, apply. Returns False (nothing done) when no
+        backward ran on any rank and ``backward_ran`` says skipping is allowed."""
+        optimizer = self._require_optimizer()
+        if backward_ran is not None and not backward_ran():
+            optimizer.skip_update()
+            return False
+        if user_optimizer is not None and self.base_lr:
+            lr = float(user_optimizer.param_groups[0]["lr"])
+            optimizer.param_groups[0]["lr"] = self.config.update_ratio * lr / self.base_lr
+        optimizer.prepare_update(normalization_tokens=normalization_tokens, process_group=process_group)
+        if self.controller is None:
+            if not self._warned_uncontrolled:
+                warnings.warn(
+                    "LoGRA is stepping without KL control (alpha = 1): add lightning_logra.LoGRACallback() "
+                    "to the Trainer's callbacks to scale every step to the KL budget",
+                    stacklevel=2,
+                )
+                self._warned_uncontrolled = True
+            alpha = 1.0
+        else:
+            alpha = self.controller.choose_alpha(optimizer, self.policy)
+        optimizer.step(alpha=alpha)
+        if self.controller is not None:
+            self.controller.after_update(optimizer, self.policy)
+        return True
+
+    def any_backward(self, process_group: dist.ProcessGroup | None) -> bool:
+        calls = torch.tensor(
+            [float(sum(state.backward_calls for state in self._require_optimizer().sketches))],
+            device=self._require_optimizer().sketches.buffer.device,
+        )
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(calls, group=process_group)
+        return bool(calls.item() > 0)
+
+    # Checkpoints: tensors (row moments may be DTensors) go through torch.distributed.checkpoint;
+    # the configuration goes into the rank-0 metadata so that a mismatch is caught first.
+    def checkpoint_tensors(self) -> dict[str, Any]:
+        state = self._require_optimizer().state_dict()
+        return {
+            "second_moments": state["second_moments"],
+            "update_count": torch.tensor([state["update_count"]], dtype=torch.int64),
+            "mismatch": torch.tensor([state["mismatch"]], dtype=torch.float64),
+            "lr": torch.tensor([state["param_groups"][0]["lr"]], dtype=torch.float64),
+        }
+
+    def checkpoint_metadata(self) -> dict[str, Any]:
+        optimizer = self._require_optimizer()
+        return {"logra_config": self.config.to_dict(), "layers": [s.name for s in optimizer.sketches]}
+
+    def check_metadata(self, metadata: dict[str, Any] | None) -> None:
+        if metadata is None:
+            raise ValueError("checkpoint has no LoGRA state: it was not written by a LoGRA strategy")
+        mismatches = self.config.structural_mismatches(metadata["logra_config"])
+        if mismatches:
+            raise ValueError("checkpoint was written with another LoGRA configuration: " + "; ".join(mismatches))
+
+    def load_checkpoint_tensors(self, tensors: dict[str, Any], metadata: dict[str, Any]) -> None:
+        self._require_optimizer().load_state_dict(
+            {
+                **metadata,
+                "second_moments": tensors["second_moments"],
+                "update_count": int(tensors["update_count"].item()),
+                "mismatch": float(tensors["mismatch"].item()),
+                "param_groups": [{"lr": float(tensors["lr"].item())}],
+            }
+        )
+
+    def _require_optimizer(self) -> LoGRAOptimizer:
+        if self.optimizer is None:
+            raise RuntimeError("LoGRA is not installed yet: the strategy's setup has not run")
+        return self.optimizer
+
+
+def normalization_tokens_of(module: nn.Module) -> float:
+    """``module.logra_normalization_tokens()`` if defined (sum-over-tokens losses), else 1."""
+    if hasattr(module, "logra_normalization_tokens"):
+        tokens = float(module.logra_normalization_tokens())
+        if not math.isfinite(tokens) or tokens <= 0:
+            raise ValueError(f"logra_normalization_tokens() returned {tokens}; it must be a count > 0")
+        return tokens
+    return 1.0

@@ -1,0 +1,105 @@
+"""logra_fsdp with the Trainer and Fabric: same weights as the plain-torch engine."""
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+
+import lightning_logra
+from lightning_logra import LoGRAFabricStrategy, LoGRAFSDPStrategy
+from tests.distributed import run_lightning_on_two_ranks
+from tests.lightning_helpers import CausalLM, config, dataset, loader, reference_weights, trained_weights, trainer
+
+# FSDP2's all-gathered weights compute exactly what the plain weights compute; with two
+# ranks the sketch is a mean of two half-batch sketches: float32 round-off.
+TWO_RANK_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def test_importing_the_package_registers_the_name_in_both_registries():
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["logra_fsdp"]["strategy"] is LoGRAFSDPStrategy
+    assert STRATEGY_REGISTRY["logra_fsdp"]["strategy"] is LoGRAFabricStrategy
+    assert lightning_logra.LoGRAFSDPStrategy is LoGRAFSDPStrategy
+
+
+def test_trainer_by_name_trains_an_ordinary_module_and_warns_without_callback(tmp_path):
+    module = CausalLM()
+    with pytest.warns(UserWarning, match="without KL control"):
+        trainer(strategy="logra_fsdp", max_steps=2, tmp_path=tmp_path).fit(module, loader(4))
+    assert isinstance(module.trainer.strategy, LoGRAFSDPStrategy)
+    assert module.trainer.strategy.logra_optimizer.update_count == 2
+
+
+@pytest.mark.parametrize("reduction", ["all_reduce", "reduce_scatter"])
+def test_trainer_one_device_equals_the_plain_engine(tmp_path, reduction):
+    logra = config(sketch_reduction=reduction)
+    strategy = LoGRAFSDPStrategy(logra=logra)
+    trainer(strategy, max_steps=3, tmp_path=tmp_path).fit(CausalLM(), loader(4))
+    for weight, expected in zip(trained_weights(strategy), reference_weights(3, 4, config())):
+        torch.testing.assert_close(weight, expected, rtol=0, atol=0)
+
+
+def test_accumulate_grad_batches_equals_manual_micro_batches(tmp_path):
+    automatic = LoGRAFSDPStrategy(logra=config())
+    trainer(automatic, max_steps=2, tmp_path=tmp_path, accumulate_grad_batches=2).fit(CausalLM(), loader(2))
+    manual = LoGRAFSDPStrategy(logra=config())
+    trainer(manual, max_steps=2, tmp_path=tmp_path).fit(CausalLM(manual_micro_batches=2), loader(4))
+    expected = reference_weights(2, 4, config(), micro_batches=2)
+    # automatic mode sums two mean losses, manual mode two halves: same sketch up to a factor
+    # of 2 that RowAdam and the global norm remove (float32 round-off only)
+    for a, m, e in zip(trained_weights(automatic), trained_weights(manual), expected):
+        torch.testing.assert_close(m, e, rtol=0, atol=0)
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-7)
+
+
+def test_fabric_one_device_equals_the_plain_engine():
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=LoGRAFabricStrategy(logra=config()))
+    fabric.launch()
+    weights = _fabric_loop(fabric, rank=0, world=1)
+    for weight, expected in zip(weights, reference_weights(3, 4, config())):
+        torch.testing.assert_close(weight, expected, rtol=0, atol=0)
+
+
+def _fabric_loop(fabric, rank, world):
+    module = CausalLM()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = fabric.setup_module(module)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        rows = torch.stack([row["input_ids"] for row in dataset()])
+        for step in range(3):
+            batch = rows[step * 4 : (step + 1) * 4].chunk(world)[rank]
+            fabric.backward(module.loss({"input_ids": batch, "attention_mask": torch.ones_like(batch)}))
+            optimizer.step()
+            optimizer.zero_grad()
+    return trained_weights(fabric.strategy)
+
+
+def _two_rank_runs(rank, world):
+    import lightning as L
+
+    results = {}
+    for reduction in ("all_reduce", "reduce_scatter"):
+        strategy = LoGRAFSDPStrategy(logra=config(sketch_reduction=reduction))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer(strategy, max_steps=3, devices=2).fit(CausalLM(), loader(2, rank=rank, world=world))
+        results[f"trainer/{reduction}"] = (strategy.logra_optimizer.reduction, trained_weights(strategy))
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=LoGRAFabricStrategy(logra=config()))
+    fabric.launch()
+    weights = _fabric_loop(fabric, rank, world)
+    results["fabric/auto"] = (fabric.strategy.logra_optimizer.reduction, weights)
+    return results
+
+
+@pytest.mark.distributed
+def test_two_devices_equal_the_plain_engine_for_trainer_and_fabric():
+    results = run_lightning_on_two_ranks(_two_rank_runs)
+    expected = reference_weights(3, 4, config())
+    for name, (reduction, weights) in results[0].items():
+        assert reduction == name.split("/")[1].replace("auto", "reduce_scatter"), name
+        for weight, reference in zip(weights, expected):
+            torch.testing.assert_close(weight, reference, **TWO_RANK_TOLERANCE, msg=name)
