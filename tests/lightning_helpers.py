@@ -95,3 +95,15 @@ def trainer(strategy, max_steps: int, tmp_path=None, devices: int = 1, **kwargs)
     )
     options.update(kwargs)
     return L.Trainer(**options)
+
+
+class TinyCausalLM(CausalLM):
+    """CausalLM with its own data, for CLI configs."""
+
+    def __init__(self, lr: float = 1e-3, batch_size: int = 4) -> None:
+        super().__init__(lr=lr)
+        self.batch_size = batch_size
+        self.save_hyperparameters()
+
+    def train_dataloader(self):
+        return loader(self.batch_size)
