@@ -1,0 +1,190 @@
+"""LightningDataModule of RL prompts: rows -> chat-formatted prompt texts and reference answers."""
+
+import itertools
+from pathlib import Path
+
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_logra.data.sources import arithmetic_rows, read_rows, reasoning_gym_rows, validate_rows
+
+
+class PromptDataModule(LightningDataModule):
+    """Batches of ``{"prompt_text": list[str], "answer": list[str]}``, ``batch_size`` prompts per
+    step on each rank. Tokenising for generation is the rollout engine's job.
+
+    Sources (``train``, ``val``): a ``.jsonl``/``.json``/``.parquet`` file, a Hugging Face
+    dataset name (``train_split``/``val_split``), ``"arithmetic"`` (synthetic, see
+    ``arithmetic_rows``) or ``"reasoning_gym:<task>"``; the built-in ones draw
+    ``train_size``/``val_size`` rows, the validation rows from ``seed + 1``.
+
+    Prompts are rendered with the tokenizer's chat template (``add_generation_prompt=True``)
+    when it has one, after ``system_prompt``; otherwise the message contents are joined.
+    Prompts longer than ``max_prompt_tokens`` are dropped; counts of dropped rows are in
+    ``skipped`` (e.g. ``skipped["train"]["invalid"]``).
+
+    Training order is a seeded shuffle per epoch, split across ranks (a
+    ``DistributedSampler``). The train loader's position is saved in Trainer checkpoints,
+    so a fit resumed mid-epoch continues that epoch's order where the checkpoint left it.
+    """
+
+    def __init__(
+        self,
+        train: str | Path,
+        val: str | Path | None = None,
+        tokenizer=None,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        system_prompt: str | None = None,
+        skip_invalid_rows: bool = False,
+        max_prompt_tokens: int | None = None,
+        train_size: int = 1024,
+        val_size: int = 128,
+        train_split: str = "train",
+        val_split: str = "test",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if max_prompt_tokens is not None and tokenizer is None:
+            raise ValueError("max_prompt_tokens needs a tokenizer to count tokens")
+        self.sources = {"train": (train, train_split, train_size, seed), "val": (val, val_split, val_size, seed + 1)}
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.system_prompt = system_prompt
+        self.skip_invalid_rows = skip_invalid_rows
+        self.max_prompt_tokens = max_prompt_tokens
+        self.seed = seed
+        self.datasets: dict[str, PromptDataset] = {}
+        self.skipped: dict[str, dict[str, int]] = {}
+
+    def setup(self, stage: str | None = None) -> None:
+        if isinstance(self.tokenizer, (str, Path)):
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
+        for split, (source, hub_split, size, seed) in self.sources.items():
+            if source is not None and split not in self.datasets:
+                self.datasets[split] = self._build(split, source, hub_split, size, seed)
+
+    def train_dataloader(self) -> DataLoader:
+        dataset = self.datasets["train"]
+        trainer = self.trainer
+        world_size, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
+        sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, seed=self.seed)
+        return ResumableLoader(dataset, trainer=trainer, **self._loader_args(sampler))
+
+    def val_dataloader(self) -> DataLoader | list:
+        if "val" not in self.datasets:
+            return []  # no val source: Lightning skips validation
+        return DataLoader(self.datasets["val"], **self._loader_args(sampler=None))
+
+    def render_prompt(self, row: dict) -> str:
+        messages = row["messages"] if row.get("prompt") is None else [{"role": "user", "content": row["prompt"]}]
+        if self.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return "\n\n".join(message["content"] for message in messages)
+
+    def _build(self, split: str, source, hub_split: str, size: int, seed: int) -> "PromptDataset":
+        name = str(source)
+        if name == "arithmetic":
+            rows = arithmetic_rows(size, seed)
+        elif name.startswith("reasoning_gym:"):
+            rows = reasoning_gym_rows(name.removeprefix("reasoning_gym:"), size, seed)
+        else:
+            rows = read_rows(source, hub_split)
+        if self.skip_invalid_rows:
+            valid, invalid = validate_rows(rows, name, skip_invalid_rows=True)
+        else:
+            valid, invalid = validate_rows(rows, name), 0
+        prompts = [self.render_prompt(row) for row in valid]
+        answers = [str(row["answer"]) for row in valid]
+        too_long = 0
+        if self.max_prompt_tokens is not None:
+            lengths = [len(ids) for ids in self.tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+            keep = [length <= self.max_prompt_tokens for length in lengths]
+            prompts = list(itertools.compress(prompts, keep))
+            answers = list(itertools.compress(answers, keep))
+            too_long = keep.count(False)
+        self.skipped[split] = {"invalid": invalid, "too_long": too_long}
+        if invalid:
+            rank_zero_warn(f"{name}: skipped {invalid} invalid rows")
+        if too_long:
+            rank_zero_warn(f"{name}: skipped {too_long} prompts longer than {self.max_prompt_tokens} tokens")
+        if not prompts:
+            raise ValueError(f"{name}: no usable rows for {split}")
+        return PromptDataset(prompts, answers)
+
+    def _loader_args(self, sampler) -> dict:
+        return {
+            "batch_size": self.batch_size,
+            "sampler": sampler,
+            "num_workers": self.num_workers,
+            "collate_fn": collate_prompts,
+        }
+
+
+class PromptDataset(Dataset):
+    def __init__(self, prompt_texts: list[str], answers: list[str]) -> None:
+        self.prompt_texts = prompt_texts
+        self.answers = answers
+
+    def __len__(self) -> int:
+        return len(self.prompt_texts)
+
+    def __getitem__(self, index: int) -> dict[str, str]:
+        return {"prompt_text": self.prompt_texts[index], "answer": self.answers[index]}
+
+
+def collate_prompts(items: list[dict[str, str]]) -> dict[str, list[str]]:
+    return {"prompt_text": [item["prompt_text"] for item in items], "answer": [item["answer"] for item in items]}
+
+
+class ResumableSampler(DistributedSampler):
+    """A shuffling ``DistributedSampler`` (order fixed by ``seed`` and the epoch) that can start
+    an epoch ``start`` rows into this rank's share. Being a ``DistributedSampler``, Lightning
+    uses it as is and calls its ``set_epoch``.
+    """
+
+    def __init__(self, dataset: Dataset, *, num_replicas: int, rank: int, seed: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.start = 0  # a new epoch starts from its beginning
+        super().set_epoch(epoch)
+
+    def __iter__(self):
+        # len() stays the full share: Lightning counts a resumed epoch's batches from
+        # its restored progress, expecting the loader to yield only the remaining ones.
+        return itertools.islice(super().__iter__(), self.start, None)
+
+
+class ResumableLoader(DataLoader):
+    """A train loader that Lightning checkpoints with the fit loop (it has ``state_dict`` /
+    ``load_state_dict``) and restores before iterating.
+
+    The state is the epoch and how many of this rank's rows of it were trained on, read
+    from the Trainer's progress (batches whose training step finished), which unlike the
+    loader's own count is not ahead by Lightning's prefetched batch.
+    """
+
+    def __init__(self, dataset: Dataset, *, trainer, **kwargs) -> None:
+        super().__init__(dataset, **kwargs)
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, int]:
+        if self.trainer is None:
+            raise RuntimeError("the loader's position comes from a Lightning Trainer's progress; none is attached")
+        processed = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return {"epoch": self.trainer.current_epoch, "start": processed * self.batch_size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.set_epoch(state["epoch"])
+        self.sampler.start = state["start"]

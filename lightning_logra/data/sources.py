@@ -1,0 +1,150 @@
+"""Prompt rows from files, the Hugging Face hub, or built-in generators.
+
+A row is a dict with ``prompt`` (non-empty str) or ``messages`` (non-empty list of
+``{"role", "content"}`` dicts), and ``answer`` (str or number). Other keys are kept.
+"""
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import NamedTuple
+
+
+class InvalidJSONLine(NamedTuple):
+    """Stands in for a JSONL line that does not parse, so validation can report or skip it."""
+
+    error: str
+
+
+def read_rows(path_or_name: str | Path, split: str | None = None) -> list:
+    """Rows of a ``.jsonl``/``.ndjson``, ``.json`` (a list) or ``.parquet`` file, or of a
+    Hugging Face ``datasets`` name (``split`` defaults to ``"train"``).
+
+    JSONL gives one entry per line, so row ``i`` is line ``i + 1`` (blank lines at the end
+    of the file are ignored; an unparsable line becomes an ``InvalidJSONLine``).
+    """
+    path = Path(path_or_name)
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix in (".jsonl", ".ndjson"):
+            return [_parse_line(line) for line in path.read_text(encoding="utf-8").rstrip().splitlines()]
+        if suffix == ".json":
+            rows = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(rows, list):
+                raise ValueError(f"{path}: a .json source must hold a list of rows, got {type(rows).__name__}")
+            return rows
+        if suffix == ".parquet":
+            return _read_parquet(path)
+        raise ValueError(f"{path}: unsupported file type {suffix!r} (use .jsonl, .json or .parquet)")
+    if path.suffix.lower() in (".jsonl", ".ndjson", ".json", ".parquet"):
+        raise FileNotFoundError(f"data file not found: {path}")
+    return _read_hub_dataset(str(path_or_name), split or "train")
+
+
+def validate_rows(
+    rows: list, source: str, *, skip_invalid_rows: bool = False
+) -> list[dict] | tuple[list[dict], int]:
+    """Check every row; the first bad one raises ``ValueError`` naming ``source``, its
+    location (the 1-based line for JSONL, else the 1-based row) and the field.
+
+    With ``skip_invalid_rows`` bad rows are dropped instead: returns ``(valid_rows, skipped)``.
+    """
+    location = "line" if str(source).lower().endswith((".jsonl", ".ndjson")) else "row"
+    valid = []
+    for index, row in enumerate(rows, start=1):
+        problem = _row_problem(row)
+        if problem is None:
+            valid.append(row)
+        elif not skip_invalid_rows:
+            raise ValueError(f"{source}: {location} {index}: {problem}")
+    if skip_invalid_rows:
+        return valid, len(rows) - len(valid)
+    return valid
+
+
+def arithmetic_rows(n: int, seed: int, *, terms: int = 2, max_digits: int = 2) -> list[dict]:
+    """``n`` deterministic problems like ``What is 37 - 8 + 12?`` with integer answers."""
+    if n < 0 or terms < 2 or max_digits < 1:
+        raise ValueError(f"need n >= 0, terms >= 2, max_digits >= 1; got n={n}, terms={terms}, max_digits={max_digits}")
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        numbers = [rng.randint(0, 10**max_digits - 1) for _ in range(terms)]
+        signs = [rng.choice("+-") for _ in range(terms - 1)]
+        expression = str(numbers[0]) + "".join(f" {s} {x}" for s, x in zip(signs, numbers[1:]))
+        total = numbers[0] + sum(x if s == "+" else -x for s, x in zip(signs, numbers[1:]))
+        rows.append({"prompt": f"What is {expression}?", "answer": str(total)})
+    return rows
+
+
+def reasoning_gym_rows(task: str, n: int, seed: int) -> list[dict]:
+    """``n`` problems of a reasoning-gym task (e.g. ``basic_arithmetic``, ``chain_sum``)."""
+    try:
+        import reasoning_gym
+    except ImportError as error:
+        raise ImportError("reasoning_gym sources need `pip install reasoning-gym`") from error
+    return [
+        {"prompt": entry["question"], "answer": entry["answer"], "task": task}
+        for entry in reasoning_gym.create_dataset(task, size=n, seed=seed)
+    ]
+
+
+def _parse_line(line: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        return InvalidJSONLine(f"invalid JSON ({error.msg})")
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    try:
+        import pyarrow.parquet
+    except ImportError as error:
+        raise ImportError(f"{path}: reading Parquet needs `pip install pyarrow`") from error
+    return pyarrow.parquet.read_table(path).to_pylist()
+
+
+def _read_hub_dataset(name: str, split: str) -> list[dict]:
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError(
+            f"{name!r} is not a file; loading it as a Hugging Face dataset needs `pip install datasets`"
+        ) from error
+    return list(datasets.load_dataset(name, split=split))
+
+
+def _row_problem(row) -> str | None:
+    if isinstance(row, InvalidJSONLine):
+        return row.error
+    if not isinstance(row, dict):
+        return f"expected an object, got {type(row).__name__}"
+    if "prompt" in row and row["prompt"] is not None:
+        if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+            return "field 'prompt' must be a non-empty string"
+    elif "messages" in row and row["messages"] is not None:
+        problem = _messages_problem(row["messages"])
+        if problem:
+            return problem
+    else:
+        return "needs field 'prompt' or 'messages'"
+    answer = row.get("answer")
+    if answer is None:
+        return "missing field 'answer'"
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        return f"field 'answer' must be a string or number, got {type(answer).__name__}"
+    if isinstance(answer, float) and not math.isfinite(answer):
+        return f"field 'answer' is {answer}"
+    return None
+
+
+def _messages_problem(messages) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return "field 'messages' must be a non-empty list"
+    for position, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return f"field 'messages[{position}]' needs a string 'role'"
+        if not isinstance(message.get("content"), str):
+            return f"field 'messages[{position}]' needs a string 'content'"
+    return None

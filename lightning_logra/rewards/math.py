@@ -1,0 +1,121 @@
+"""Rule-based reward for math answers: extract the final answer, compare it with the reference.
+
+Comparison: equal after normalisation, or equal as exact rationals (``1,000`` = ``1000``,
+``3/4`` = ``0.75`` = ``\\frac{3}{4}``, ``-5.`` = ``-5``, ``$12`` = ``12 dollars``); past that,
+``math_verify`` (``pip install lightning-logra[math]``) decides symbolic equivalence when it
+is installed. Its own signal-based timeouts are off because rewards run in worker
+threads: ``RewardRunner`` enforces the time limit.
+"""
+
+import re
+from fractions import Fraction
+
+try:
+    import math_verify
+except ImportError:  # optional extra
+    math_verify = None
+
+NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
+THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+# A number followed by unit words of two or more letters ("12 dollars", "5 cm", not "2 x").
+NUMBER_WITH_UNITS = re.compile(r"(?P<number>[-\d.,/]+)(?:\s+[a-zA-Z]{2,})+")
+FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$")
+LATEX_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\{([^{}]*)\}")
+LATEX_NOISE = re.compile(r"\\left|\\right|\\[!,;: ]|\^\{?\\circ\}?|\\%|%|\\\$|\$")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion, or None when it gives none.
+
+    In order of preference: the last ``\\boxed{...}`` (nested braces allowed), the last GSM8K
+    ``#### answer`` line, the last "the answer is ..." sentence, the last number.
+    """
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    gsm8k = re.findall(r"####\s*([^\n]*\S)", text)
+    if gsm8k:
+        return _strip_wrappers(gsm8k[-1])
+    stated = re.findall(r"answer is\s*:?\s*([^\n]*\S)", text, flags=re.IGNORECASE)
+    if stated:
+        # Up to the first sentence end: a period followed by a space or the line end.
+        return _strip_wrappers(re.split(r"\.(?:\s|$)", stated[-1])[0])
+    numbers = NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def answers_match(predicted: str, reference: str) -> bool:
+    """Whether two extracted answers are the same (see the module docstring)."""
+    predicted, reference = _normalize(predicted), _normalize(reference)
+    if predicted == reference:
+        return True
+    predicted_number, reference_number = _to_number(predicted), _to_number(reference)
+    if predicted_number is not None and reference_number is not None:
+        return predicted_number == reference_number
+    if math_verify is None:
+        return False
+    gold = math_verify.parse(f"${reference}$", parsing_timeout=None)
+    answer = math_verify.parse(f"${predicted}$", parsing_timeout=None)
+    return bool(gold) and bool(answer) and math_verify.verify(gold, answer, timeout_seconds=None)
+
+
+def math_reward(completions: list[str], answers: list) -> list[float]:
+    """1.0 where a completion's final answer equals the reference answer, else 0.0.
+
+    A reference that is a full GSM8K solution (``... #### 72``) or contains ``\\boxed``
+    is reduced to its final answer first.
+    """
+    if len(completions) != len(answers):
+        raise ValueError(f"got {len(completions)} completions but {len(answers)} answers")
+    rewards = []
+    for index, (completion, answer) in enumerate(zip(completions, answers)):
+        if not isinstance(completion, str):
+            raise TypeError(f"completions[{index}] is {type(completion).__name__}, expected str")
+        reference = str(answer)
+        if "####" in reference or "\\boxed" in reference:
+            reference = extract_answer(reference) or reference
+        predicted = extract_answer(completion)
+        rewards.append(1.0 if predicted is not None and answers_match(predicted, reference) else 0.0)
+    return rewards
+
+
+def _last_boxed(text: str) -> str | None:
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    opening = text.find("{", start)
+    if opening < 0 or text[start:opening].strip() not in ("\\boxed", "\\fbox"):
+        return None
+    depth = 0
+    for position in range(opening, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[position], 0)
+        if depth == 0:
+            return text[opening + 1 : position]
+    return None  # unbalanced: a truncated completion
+
+
+def _strip_wrappers(answer: str) -> str:
+    return answer.strip().rstrip(".").strip().strip("$").strip()
+
+
+def _normalize(answer: str) -> str:
+    answer = LATEX_TEXT.sub(r"\1", answer)
+    answer = LATEX_NOISE.sub("", answer).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    answer = answer.rsplit("=", 1)[-1]  # "x = 5" -> "5"
+    return " ".join(answer.split()).rstrip(".").strip().lower()
+
+
+def _to_number(answer: str) -> Fraction | None:
+    with_units = NUMBER_WITH_UNITS.fullmatch(answer)
+    if with_units:
+        answer = with_units["number"]
+    answer = answer.replace(" ", "")
+    if THOUSANDS.fullmatch(answer):
+        answer = answer.replace(",", "")
+    fraction = FRAC.match(answer)
+    if fraction:
+        answer = f"{fraction[1]}{fraction[2]}/{fraction[3]}"
+    try:
+        return Fraction(answer)
+    except (ValueError, ZeroDivisionError):
+        return None

@@ -1,0 +1,81 @@
+"""What a rollout engine returns, and the interface every engine implements."""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Rollouts:
+    """A batch of sampled completions, ``B = len(prompts) * num_generations`` rows in group
+    layout ``[p0 g0, p0 g1, ..., p1 g0, ...]``; ``T = prompt_length + longest completion``.
+
+    - ``input_ids``: prompt left-padded to ``prompt_length``, then the completion right-padded.
+    - ``attention_mask``: 1 on real prompt tokens and generated tokens, 0 on padding.
+    - ``completion_mask``: 1 on generated tokens (including a final EOS), 0 elsewhere.
+    - ``rollout_logprobs``: float32; ``[:, t]`` is log p(``input_ids[:, t]`` | the tokens before)
+      under the distribution the token was sampled from (temperature, and top-p where used);
+      0 off the completion. Trainer log-probs from ``sequence_logprobs`` (``B x (T-1)``,
+      predicting token ``t+1``) line up with ``rollout_logprobs[:, 1:]`` and ``completion_mask[:, 1:]``.
+    - ``completion_text``: decoded completions without special tokens.
+    - ``ended_with_eos``: whether each completion stopped on EOS (else it hit the length limit).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    completion_text: list[str]
+    ended_with_eos: torch.Tensor
+    prompt_length: int
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[str], *, num_generations: int) -> Rollouts: ...
+
+    def sync_weights(self, model: nn.Module) -> None:
+        """Make the engine sample from ``model``'s current weights."""
+        ...
+
+
+def pack_rollouts(
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    completion_logprobs: list[list[float]],
+    completion_text: list[str],
+    ended_with_eos: list[bool],
+    pad_token_id: int,
+    device: torch.device | str = "cpu",
+) -> Rollouts:
+    """Lay out per-row token lists (prompts unpadded, completions up to and including any
+    EOS) as padded ``Rollouts`` tensors."""
+    rows = len(prompt_ids)
+    if not rows or any(len(x) != rows for x in (completion_ids, completion_logprobs, completion_text, ended_with_eos)):
+        raise ValueError("pack_rollouts needs the same non-zero number of prompts, completions, log-probs and texts")
+    for row, (ids, logprobs) in enumerate(zip(completion_ids, completion_logprobs)):
+        if len(ids) != len(logprobs):
+            raise ValueError(f"row {row}: {len(ids)} completion tokens but {len(logprobs)} log-probs")
+    prompt_length = max(len(ids) for ids in prompt_ids)
+    width = prompt_length + max(len(ids) for ids in completion_ids)
+    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros(rows, width, dtype=torch.long)
+    completion_mask = torch.zeros(rows, width, dtype=torch.long)
+    rollout_logprobs = torch.zeros(rows, width, dtype=torch.float32)
+    for row, (prompt, completion, logprobs) in enumerate(zip(prompt_ids, completion_ids, completion_logprobs)):
+        end = prompt_length + len(completion)
+        input_ids[row, prompt_length - len(prompt) : prompt_length] = torch.tensor(prompt, dtype=torch.long)
+        input_ids[row, prompt_length:end] = torch.tensor(completion, dtype=torch.long)
+        attention_mask[row, prompt_length - len(prompt) : end] = 1
+        completion_mask[row, prompt_length:end] = 1
+        rollout_logprobs[row, prompt_length:end] = torch.tensor(logprobs, dtype=torch.float32)
+    return Rollouts(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        completion_mask=completion_mask.to(device),
+        rollout_logprobs=rollout_logprobs.to(device),
+        completion_text=list(completion_text),
+        ended_with_eos=torch.tensor(ended_with_eos, dtype=torch.bool, device=device),
+        prompt_length=prompt_length,
+    )

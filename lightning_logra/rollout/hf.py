@@ -1,0 +1,126 @@
+"""Rollouts with Hugging Face ``generate`` on the training model itself (no copy, no sync).
+
+Fits small models and CPU runs: ``generate`` keeps every step's raw logits (``B x V`` per
+generated token) until it returns. At scale use the vLLM engine.
+"""
+
+import torch
+from torch import nn
+
+from lightning_logra.rollout.base import Rollouts, pack_rollouts
+
+
+class HFRolloutEngine:
+    """Samples ``num_generations`` completions per prompt with ``model.generate``.
+
+    Log-probs: ``generate(output_logits=True)`` returns the raw logits of each step; the
+    sampled token's log-prob is ``log_softmax(logits / temperature)``. With ``top_p < 1``
+    the sampler draws from the nucleus (HF's rule: the most likely tokens whose cumulative
+    probability first reaches ``top_p``), renormalised; the log-prob is taken under that
+    distribution, i.e. minus the log of the nucleus mass. With ``do_sample=False`` (greedy)
+    the log-prob is the model's at ``temperature``.
+
+    Sampling knobs a model's ``generation_config`` may set (top-k, repetition penalty,
+    typical-p) are switched off so that the log-probs describe the actual sampler.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        do_sample: bool = True,
+    ) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer has no pad token: set tokenizer.pad_token (e.g. to its eos token)")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.do_sample = do_sample
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+
+    def sync_weights(self, model: nn.Module) -> None:
+        """Nothing to do: the engine generates with the training model itself."""
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], *, num_generations: int = 1) -> Rollouts:
+        if not prompts or num_generations < 1:
+            raise ValueError(f"need prompts and num_generations >= 1, got {len(prompts)} prompts, {num_generations}")
+        encoded = self.tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
+        input_ids = encoded["input_ids"].repeat_interleave(num_generations, dim=0).to(self.model.device)
+        attention_mask = encoded["attention_mask"].repeat_interleave(num_generations, dim=0).to(self.model.device)
+        sampling = {"temperature": self.temperature, "top_p": self.top_p, "top_k": 0, "typical_p": 1.0}
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            output = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=self.max_new_tokens,
+                do_sample=self.do_sample,
+                repetition_penalty=1.0,
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=self.eos_token_ids,
+                return_dict_in_generate=True,
+                output_logits=True,
+                **(sampling if self.do_sample else {}),
+            )
+        finally:
+            self.model.train(was_training)
+        completions = output.sequences[:, input_ids.shape[1] :]
+        token_logprobs = torch.stack(
+            [self._sampled_logprobs(logits, completions[:, step]) for step, logits in enumerate(output.logits)], dim=1
+        )
+        return self._pack(input_ids, attention_mask, completions, token_logprobs)
+
+    def _sampled_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        sampled = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        if self.do_sample and self.top_p < 1:
+            sampled = sampled - _nucleus_log_mass(logprobs, self.top_p)
+        return sampled
+
+    def _pack(self, input_ids, attention_mask, completions, token_logprobs) -> Rollouts:
+        is_eos = torch.isin(completions, torch.tensor(self.eos_token_ids, device=completions.device))
+        ended_with_eos = is_eos.any(dim=1)
+        # Generated length: up to and including the first EOS; generate pads after it.
+        lengths = torch.where(ended_with_eos, is_eos.int().argmax(dim=1) + 1, completions.shape[1]).tolist()
+        completion_ids = [row[:n].tolist() for row, n in zip(completions, lengths)]
+        return pack_rollouts(
+            prompt_ids=[row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)],
+            completion_ids=completion_ids,
+            completion_logprobs=[row[:n].tolist() for row, n in zip(token_logprobs, lengths)],
+            completion_text=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+            ended_with_eos=ended_with_eos.tolist(),
+            pad_token_id=self.tokenizer.pad_token_id,
+            device=input_ids.device,
+        )
+
+
+def _nucleus_log_mass(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Log of the probability mass HF's top-p keeps: sorted ascending, the tokens whose
+    cumulative probability exceeds ``1 - top_p`` (and always the most likely one)."""
+    ascending = logprobs.sort(dim=-1).values
+    kept = ascending.exp().cumsum(dim=-1) > 1 - top_p
+    kept[..., -1] = True
+    return torch.logsumexp(ascending.masked_fill(~kept, float("-inf")), dim=-1)
+
+
+def _eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    ids = sorted({*configured, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
+    if not ids:
+        raise ValueError("neither the tokenizer nor the model's generation_config names an EOS token")
+    return ids

@@ -1,0 +1,208 @@
+import importlib.util
+import json
+
+import lightning as L
+import pyarrow
+import pyarrow.parquet
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_logra.data import (
+    PromptDataModule,
+    ResumableSampler,
+    arithmetic_rows,
+    read_rows,
+    reasoning_gym_rows,
+    validate_rows,
+)
+from tests.tiny_models import byte_tokenizer
+
+GOOD_ROWS = [
+    {"prompt": "What is 2 + 3?", "answer": "5"},
+    {"messages": [{"role": "user", "content": "What is 7 - 4?"}], "answer": 3},
+]
+
+
+def write_jsonl(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_read_rows_jsonl_keeps_one_entry_per_line(tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", [json.dumps(r) for r in GOOD_ROWS] + ["{broken", ""])
+    rows = read_rows(path)
+    assert rows[:2] == GOOD_ROWS
+    with pytest.raises(ValueError, match=r"rows.jsonl: line 3: invalid JSON"):
+        validate_rows(rows, str(path))
+
+
+def test_read_rows_json_and_parquet(tmp_path):
+    (tmp_path / "rows.json").write_text(json.dumps(GOOD_ROWS))
+    assert read_rows(tmp_path / "rows.json") == GOOD_ROWS
+    table = pyarrow.table({"prompt": ["What is 1 + 1?", ""], "answer": ["2", "0"]})
+    pyarrow.parquet.write_table(table, tmp_path / "rows.parquet")
+    rows = read_rows(str(tmp_path / "rows.parquet"))
+    assert rows == [{"prompt": "What is 1 + 1?", "answer": "2"}, {"prompt": "", "answer": "0"}]
+    with pytest.raises(ValueError, match=r"rows.parquet: row 2: field 'prompt' must be a non-empty string"):
+        validate_rows(rows, str(tmp_path / "rows.parquet"))
+
+
+def test_read_rows_reports_bad_paths(tmp_path):
+    (tmp_path / "rows.csv").write_text("prompt,answer\n")
+    with pytest.raises(ValueError, match="unsupported file type '.csv'"):
+        read_rows(tmp_path / "rows.csv")
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        read_rows(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="datasets is installed")
+def test_read_rows_hub_name_without_datasets_says_what_to_install():
+    with pytest.raises(ImportError, match="pip install datasets"):
+        read_rows("openai/gsm8k", split="train")
+
+
+BAD_ROWS = [
+    ({"answer": "1"}, "needs field 'prompt' or 'messages'"),
+    ({"prompt": "What is 1 + 1?"}, "missing field 'answer'"),
+    ({"prompt": "   ", "answer": "1"}, "field 'prompt' must be a non-empty string"),
+    ({"prompt": 12, "answer": "1"}, "field 'prompt' must be a non-empty string"),
+    ({"prompt": "Hi", "answer": [1]}, "field 'answer' must be a string or number, got list"),
+    ({"prompt": "Hi", "answer": True}, "field 'answer' must be a string or number, got bool"),
+    ({"messages": [], "answer": "1"}, "field 'messages' must be a non-empty list"),
+    ({"messages": [{"content": "Hi"}], "answer": "1"}, r"field 'messages\[0\]' needs a string 'role'"),
+    (
+        {"messages": [{"role": "user", "content": None}], "answer": "1"},
+        r"field 'messages\[0\]' needs a string 'content'",
+    ),
+    (["not", "an", "object"], "expected an object, got list"),
+]
+
+
+@pytest.mark.parametrize(("row", "message"), BAD_ROWS)
+def test_validate_rows_names_the_line_and_field(tmp_path, row, message):
+    path = write_jsonl(tmp_path / "train.jsonl", [json.dumps(GOOD_ROWS[0]), json.dumps(row)])
+    with pytest.raises(ValueError, match=rf"train.jsonl: line 2: {message}"):
+        validate_rows(read_rows(path), str(path))
+
+
+def test_validate_rows_can_skip_and_count():
+    rows = [GOOD_ROWS[0], BAD_ROWS[0][0], GOOD_ROWS[1], BAD_ROWS[4][0]]
+    valid, skipped = validate_rows(rows, "memory", skip_invalid_rows=True)
+    assert valid == GOOD_ROWS and skipped == 2
+
+
+def test_arithmetic_rows_are_deterministic_and_correct():
+    rows = arithmetic_rows(50, seed=3, terms=3, max_digits=2)
+    assert rows == arithmetic_rows(50, seed=3, terms=3, max_digits=2)
+    assert rows != arithmetic_rows(50, seed=4, terms=3, max_digits=2)
+    for row in rows:
+        expression = row["prompt"].removeprefix("What is ").removesuffix("?")
+        assert len(expression.split()) == 5
+        assert all(len(term) <= 2 for term in expression.split()[::2])
+        assert int(row["answer"]) == eval(expression)  # noqa: S307 - digits and +/- only
+    assert {"+", "-"} <= {symbol for row in rows for symbol in row["prompt"].split()[3::2]}
+
+
+def test_reasoning_gym_rows():
+    rows = reasoning_gym_rows("basic_arithmetic", 3, seed=1)
+    assert rows == reasoning_gym_rows("basic_arithmetic", 3, seed=1)
+    assert len(rows) == 3
+    assert validate_rows(rows, "reasoning_gym:basic_arithmetic") == rows
+
+
+def test_datamodule_renders_chat_prompts_and_batches(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", [json.dumps(r) for r in GOOD_ROWS])
+    data = PromptDataModule(path, tokenizer=byte_tokenizer(tmp_path), batch_size=2, system_prompt="Be brief.")
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    assert sorted(batch["prompt_text"]) == [
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 7 - 4?<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    assert sorted(batch["answer"]) == ["3", "5"]
+
+
+def test_datamodule_without_chat_template_uses_the_plain_prompt():
+    data = PromptDataModule("arithmetic", val="arithmetic", batch_size=4, train_size=8, val_size=4, system_prompt="Sys")
+    data.setup("fit")
+    val = next(iter(data.val_dataloader()))
+    expected = arithmetic_rows(4, seed=1)  # validation draws from seed + 1, in order
+    assert val["prompt_text"] == [f"Sys\n\n{row['prompt']}" for row in expected]
+    assert val["answer"] == [row["answer"] for row in expected]
+
+
+def test_datamodule_skips_invalid_and_long_rows(tmp_path):
+    too_long = {"prompt": "x" * 40, "answer": "1"}
+    lines = [json.dumps(GOOD_ROWS[0]), "{broken", json.dumps(too_long), json.dumps({"prompt": "Hi"})]
+    path = write_jsonl(tmp_path / "train.jsonl", lines)
+    tokenizer = byte_tokenizer(tmp_path)
+    strict = PromptDataModule(path, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="train.jsonl: line 2: invalid JSON"):
+        strict.setup("fit")
+    # The rendered first prompt is 33 byte tokens (14 bytes wrapped in 19 of ChatML); the other 59.
+    data = PromptDataModule(path, tokenizer=tokenizer, skip_invalid_rows=True, max_prompt_tokens=33)
+    data.setup("fit")
+    assert data.skipped == {"train": {"invalid": 2, "too_long": 1}}
+    assert data.datasets["train"].answers == ["5"]
+    assert len(tokenizer(data.datasets["train"].prompt_texts[0])["input_ids"]) == 33
+
+
+def test_datamodule_order_is_seeded_and_changes_per_epoch():
+    def epoch_prompts(seed, epoch):
+        data = PromptDataModule("arithmetic", batch_size=4, train_size=12, seed=seed)
+        data.setup("fit")
+        loader = data.train_dataloader()
+        loader.sampler.set_epoch(epoch)
+        return [prompt for batch in loader for prompt in batch["prompt_text"]]
+
+    first = epoch_prompts(seed=0, epoch=0)
+    assert first == epoch_prompts(seed=0, epoch=0)
+    assert sorted(first) == sorted(row["prompt"] for row in arithmetic_rows(12, seed=0))
+    assert first != epoch_prompts(seed=0, epoch=1)
+    assert sorted(first) == sorted(epoch_prompts(seed=0, epoch=1))
+
+
+def test_resumable_sampler_splits_ranks_and_starts_part_way():
+    dataset = list(range(10))
+    shares = [list(ResumableSampler(dataset, num_replicas=2, rank=r, seed=7)) for r in (0, 1)]
+    assert sorted(shares[0] + shares[1]) == dataset
+    sampler = ResumableSampler(dataset, num_replicas=2, rank=1, seed=7)
+    sampler.start = 2
+    assert list(sampler) == shares[1][2:]
+    sampler.set_epoch(1)
+    assert sampler.start == 0
+
+
+class PromptRecorder(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch["prompt_text"])
+        return self.weight.square().sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit_prompts(tmp_path, max_steps, ckpt_path=None):
+    recorder = PromptRecorder()
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)],
+    )
+    trainer.fit(recorder, datamodule=PromptDataModule("arithmetic", batch_size=2, train_size=9), ckpt_path=ckpt_path)
+    return recorder.seen
+
+
+def test_fit_resumed_mid_epoch_continues_the_same_order(tmp_path):
+    # 9 rows in batches of 2: 5 steps per epoch. Checkpoints at steps 3 (mid epoch 0) and 6 (mid epoch 1).
+    full = fit_prompts(tmp_path / "full", max_steps=8)
+    assert fit_prompts(tmp_path / "a", 8, ckpt_path=tmp_path / "full" / "epoch=0-step=3.ckpt") == full[3:]
+    assert fit_prompts(tmp_path / "b", 8, ckpt_path=tmp_path / "full" / "epoch=1-step=6.ckpt") == full[6:]
