@@ -133,6 +133,7 @@ def probe_predicted_kl(
     position_chunk: int = 256,
     process_group: dist.ProcessGroup | None = None,
     distributed: bool = False,
+    position_ids: torch.Tensor | None = None,
 ) -> float:
     """Predicted KL of the update W -= D A of every layer at once, over the probe batch.
 
@@ -141,10 +142,15 @@ def probe_predicted_kl(
     left by one. Sequences are truncated to ``max_tokens``. Full-vocabulary logits exist
     for ``position_chunk`` positions at a time when the model exposes its output head
     (``get_output_embeddings``). With ``distributed``, the sum and count are all-reduced
-    over ``process_group`` and every rank returns the global mean.
+    over ``process_group`` and every rank returns the global mean. ``position_ids``, when
+    given, are passed to the model (left-padded rows scored as they were generated).
     """
     if max_tokens is not None:
         input_ids, attention_mask, logits_mask = (t[:, :max_tokens] for t in (input_ids, attention_mask, logits_mask))
+        position_ids = position_ids[:, :max_tokens] if position_ids is not None else None
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if position_ids is not None:
+        inputs["position_ids"] = position_ids
     logits_mask = logits_mask.to(torch.bool)
     totals = torch.zeros(2, dtype=torch.float64, device=input_ids.device)  # (sum of KL, positions)
 
@@ -161,9 +167,9 @@ def probe_predicted_kl(
         try:
             if isinstance(head, nn.Linear):
                 handles.append(head.register_forward_pre_hook(_chunked_head_hook(logits_mask, position_chunk, accumulate)))
-                model(input_ids=input_ids, attention_mask=attention_mask)
+                model(**inputs)
             else:
-                output = model(input_ids=input_ids, attention_mask=attention_mask)
+                output = model(**inputs)
                 accumulate((output.logits if hasattr(output, "logits") else output)[logits_mask])
         finally:
             for handle in handles:

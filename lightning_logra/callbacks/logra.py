@@ -131,7 +131,8 @@ class LoGRACallback(Callback):
         missing = {"input_ids", "attention_mask", "logits_mask"} - set(probe)
         if missing:
             raise ValueError(f"LoGRA probe batch lacks {sorted(missing)}")
-        return {key: probe[key][:responses, :max_tokens] for key in ("input_ids", "attention_mask", "logits_mask")}
+        keys = ("input_ids", "attention_mask", "logits_mask", "position_ids")
+        return {key: probe[key][:responses, :max_tokens] for key in keys if key in probe}
 
     def _memory_metrics(self, optimizer: LoGRAOptimizer, policy: nn.Module) -> dict[str, float]:
         if self._state_mib is None:
@@ -168,7 +169,7 @@ def _probe_logits(policy: nn.Module, probe: dict[str, torch.Tensor]) -> torch.Te
     was_training = policy.training
     policy.eval()
     try:
-        output = policy(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"])
+        output = policy(**{key: value for key, value in probe.items() if key != "logits_mask"})
     finally:
         policy.train(was_training)
     return (output.logits if hasattr(output, "logits") else output).float()

@@ -33,7 +33,9 @@ class Rollouts:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[str], *, num_generations: int) -> Rollouts: ...
+    def generate(
+        self, prompts: list[str], *, num_generations: int, temperature: float | None = None, top_p: float | None = None
+    ) -> Rollouts: ...
 
     def sync_weights(self, model: nn.Module) -> None:
         """Make the engine sample from ``model``'s current weights."""

@@ -54,13 +54,26 @@ class HFRolloutEngine:
         """Nothing to do: the engine generates with the training model itself."""
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], *, num_generations: int = 1) -> Rollouts:
+    def generate(
+        self,
+        prompts: list[str],
+        *,
+        num_generations: int = 1,
+        temperature: float | None = None,
+        top_p: float | None = None,
+    ) -> Rollouts:
+        """Sample; ``temperature``/``top_p`` override the engine's for this call (validation)."""
         if not prompts or num_generations < 1:
             raise ValueError(f"need prompts and num_generations >= 1, got {len(prompts)} prompts, {num_generations}")
+        temperature = self.temperature if temperature is None else temperature
+        top_p = self.top_p if top_p is None else top_p
         encoded = self.tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
         input_ids = encoded["input_ids"].repeat_interleave(num_generations, dim=0).to(self.model.device)
         attention_mask = encoded["attention_mask"].repeat_interleave(num_generations, dim=0).to(self.model.device)
-        sampling = {"temperature": self.temperature, "top_p": self.top_p, "top_k": 0, "typical_p": 1.0}
+        sampling = {"temperature": temperature, "top_p": top_p, "top_k": 0, "typical_p": 1.0}
+        # Under FSDP2 every rank must run the same number of forward passes: generation
+        # continues on every rank until all have finished.
+        synced = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         was_training = self.model.training
         self.model.eval()
         try:
@@ -74,21 +87,26 @@ class HFRolloutEngine:
                 eos_token_id=self.eos_token_ids,
                 return_dict_in_generate=True,
                 output_logits=True,
+                synced_gpus=synced,
                 **(sampling if self.do_sample else {}),
             )
         finally:
             self.model.train(was_training)
         completions = output.sequences[:, input_ids.shape[1] :]
         token_logprobs = torch.stack(
-            [self._sampled_logprobs(logits, completions[:, step]) for step, logits in enumerate(output.logits)], dim=1
+            [
+                self._sampled_logprobs(logits, completions[:, step], temperature, top_p)
+                for step, logits in enumerate(output.logits)
+            ],
+            dim=1,
         )
         return self._pack(input_ids, attention_mask, completions, token_logprobs)
 
-    def _sampled_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+    def _sampled_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+        logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
         sampled = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        if self.do_sample and self.top_p < 1:
-            sampled = sampled - _nucleus_log_mass(logprobs, self.top_p)
+        if self.do_sample and top_p < 1:
+            sampled = sampled - _nucleus_log_mass(logprobs, top_p)
         return sampled
 
     def _pack(self, input_ids, attention_mask, completions, token_logprobs) -> Rollouts:

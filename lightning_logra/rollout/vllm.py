@@ -80,7 +80,15 @@ class VLLMRolloutEngine:
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self._weights_current = True
 
-    def generate(self, prompts: list[str], *, num_generations: int = 1) -> Rollouts:
+    def generate(
+        self,
+        prompts: list[str],
+        *,
+        num_generations: int = 1,
+        temperature: float | None = None,
+        top_p: float | None = None,
+    ) -> Rollouts:
+        """Sample; ``temperature``/``top_p`` override the engine's for this call (validation)."""
         if not prompts or num_generations < 1:
             raise ValueError(f"need prompts and num_generations >= 1, got {len(prompts)} prompts, {num_generations}")
         if not self._weights_current:
@@ -92,7 +100,9 @@ class VLLMRolloutEngine:
             self._weights_asleep = False
         self.llm.wake_up(tags=["kv_cache"])
         try:
-            outputs = self.llm.generate(prompts, SamplingParams(n=num_generations, **self.sampling), use_tqdm=False)
+            overrides = {k: v for k, v in (("temperature", temperature), ("top_p", top_p)) if v is not None}
+            sampling = SamplingParams(n=num_generations, **{**self.sampling, **overrides})
+            outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
         finally:
             self._sleep()
         completions = [(output.prompt_token_ids, sample) for output in outputs for sample in output.outputs]

@@ -1,0 +1,84 @@
+"""The GRPO module's settings, as dataclasses that YAML configs fill in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lightning_logra.config import DEFAULT_TARGET_MODULES
+
+
+@dataclass
+class LossConfig:
+    """``grpo``: group-normalised advantages, PPO-clipped ratio. ``dr_grpo``: no std
+    normalisation, constant length normaliser. ``reinforce_baseline``: the paper's loss,
+    running-mean baseline, failure reward, truncated importance sampling, no PPO ratio."""
+
+    type: Literal["grpo", "dr_grpo", "reinforce_baseline"] = "grpo"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    aggregation: Literal["token", "sequence"] = "token"
+    kl_coef: float = 0.0  # > 0 builds a frozen reference model for a k3 KL penalty
+    tis_cap: float = 2.0
+    baseline_weight: float = 0.1
+    failure_reward: float = -0.01
+
+    def __post_init__(self) -> None:
+        for name in ("epsilon_low", "epsilon_high", "tis_cap", "baseline_weight"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"loss.{name} = {getattr(self, name)!r} must be > 0")
+        if self.kl_coef < 0:
+            raise ValueError(f"loss.kl_coef = {self.kl_coef!r} must be >= 0")
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["hf", "vllm"] = "hf"
+    num_generations: int = 8
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    val_temperature: float = 0.7
+    val_top_p: float = 0.7
+    val_generations: int = 4  # n samples per validation prompt: pass@1 and pass@n
+    gpu_memory_utilization: float = 0.3  # vLLM only
+
+    def __post_init__(self) -> None:
+        for name in ("num_generations", "max_new_tokens", "val_generations"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"rollout.{name} = {getattr(self, name)!r} must be an integer >= 1")
+        for name in ("temperature", "val_temperature"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"rollout.{name} = {getattr(self, name)!r} must be > 0")
+        for name in ("top_p", "val_top_p", "gpu_memory_utilization"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"rollout.{name} = {getattr(self, name)!r} must be in (0, 1]")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW for dense and LoRA training (the paper's dense baseline by default). Under
+    ``logra_fsdp`` only the schedule matters: it scales LoGRA's update ratio."""
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    warmup_steps: int = 9
+    decay_steps: int = 300  # cosine to min_lr_ratio over this many steps; 0 keeps the lr constant
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optimizer.lr = {self.lr!r} must be > 0")
+        if self.warmup_steps < 0 or self.decay_steps < 0:
+            raise ValueError("optimizer.warmup_steps and optimizer.decay_steps must be >= 0")
+
+
+@dataclass
+class LoRAConfig:
+    """The LoRA baseline (peft), on the same projections LoGRA trains."""
+
+    rank: int = 256
+    alpha: float = 512.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))

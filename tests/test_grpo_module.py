@@ -1,0 +1,159 @@
+"""End-to-end: GRPOModule fits a tiny random Qwen2 with LoGRA, dense AdamW and LoRA."""
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
+from lightning_logra.data import PromptDataModule
+from lightning_logra.modules import GRPOModule, LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
+from lightning_logra.modules.grpo import lr_factor
+from tests.distributed import run_lightning_on_two_ranks
+from tests.tiny_models import byte_tokenizer, tiny_qwen2
+
+LOGGED = {"reward/mean", "reward/std", "reward/zero_std_groups", "reward/failures", "completion/length_mean",
+          "completion/length_max", "completion/clipped_fraction", "policy/entropy", "policy/clip_fraction",
+          "policy/rollout_trainer_logprob_gap", "perf/tokens_per_second"}
+
+
+def varied_reward(completions, answers):
+    """A reward a random tiny model earns unevenly, so that advantages are not all zero."""
+    return [sum(map(ord, text)) % 7 / 7 for text in completions]
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    tokenizer = byte_tokenizer(folder)
+    model = tiny_qwen2(vocab_size=len(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def module(folder, **overrides):
+    options = dict(
+        model=folder,
+        rollout=RolloutConfig(num_generations=2, max_new_tokens=6, val_generations=2),
+        optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, decay_steps=0),
+        micro_batch_size=2,
+        rewards=["tests.test_grpo_module:varied_reward"],
+    )
+    options.update(overrides)
+    return GRPOModule(**options)
+
+
+def data(folder, batch_size=2):
+    return PromptDataModule(train="arithmetic", val="arithmetic", tokenizer=folder, batch_size=batch_size,
+                            train_size=16, val_size=4)
+
+
+def fit(grpo, folder, strategy="auto", steps=2, **options):
+    snapshot = {name: p.detach().clone() for name, p in grpo.policy.named_parameters()}
+    logged = {}
+
+    class Capture(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            logged.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=0, callbacks=[Capture(), *options.pop("callbacks", [])], **options).fit(grpo, data(folder))
+    changed = set()
+    for name, parameter in grpo.policy.named_parameters():
+        value = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter.detach()
+        if not torch.equal(value, snapshot[name]):
+            changed.add(name)
+    return changed, logged
+
+
+def test_logra_changes_exactly_the_target_weights(model_folder):
+    grpo = module(model_folder)
+    strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
+    changed, logged = fit(grpo, model_folder, strategy=strategy, callbacks=[LoGRACallback()])
+    targets = {f"{state.name}.weight" for state in strategy.logra_optimizer.sketches}
+    assert len(targets) == 14 and changed == targets
+    assert LOGGED | {"logra/alpha", "logra/predicted_kl", "logra/mismatch"} <= set(logged)
+    assert strategy.logra_optimizer.update_count == 2
+
+
+def test_dense_adamw_changes_every_weight(model_folder):
+    grpo = module(model_folder, activation_checkpointing=False)
+    changed, logged = fit(grpo, model_folder)
+    names = {name for name, _ in grpo.policy.named_parameters()}
+    # the embedding of tokens never sampled keeps its rows, but every tensor moves
+    assert changed == names
+    assert LOGGED <= set(logged)
+
+
+def test_lora_changes_only_the_adapters(model_folder):
+    grpo = module(model_folder, lora=LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"]))
+    changed, _ = fit(grpo, model_folder)
+    trainable = {name for name, p in grpo.policy.named_parameters() if p.requires_grad}
+    assert len(trainable) == 8 and all("lora_" in name for name in trainable)
+    # peft initialises B = 0, so A's gradient is zero until B has moved: B always changes
+    assert {name for name in trainable if "lora_B" in name} <= changed <= trainable
+
+
+@pytest.mark.parametrize("loss", [LossConfig(type="reinforce_baseline"), LossConfig(type="dr_grpo"),
+                                  LossConfig(type="grpo", aggregation="sequence", kl_coef=0.1)])
+def test_other_losses_run(model_folder, loss):
+    grpo = module(model_folder, loss=loss)
+    changed, logged = fit(grpo, model_folder, steps=1)
+    assert changed and "reward/mean" in logged
+    if loss.type == "reinforce_baseline":
+        assert grpo.baseline.value != 0.0  # rewards <= 0 are shaped to -0.01
+    if loss.kl_coef:
+        assert "policy/kl" in logged
+
+
+def test_validation_logs_pass_at_1_and_n(model_folder):
+    grpo = module(model_folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False).validate(grpo, data(model_folder))
+    assert set(results[0]) == {"val/pass_at_1", "val/pass_at_2"}
+    assert 0.0 <= results[0]["val/pass_at_1"] <= results[0]["val/pass_at_2"] <= 1.0
+
+
+def test_learning_rate_schedule_is_warmup_then_cosine():
+    config = OptimizerConfig(warmup_steps=9, decay_steps=300, min_lr_ratio=0.1)
+    assert lr_factor(0, config) == pytest.approx(1 / 9)
+    assert lr_factor(8, config) == pytest.approx(1.0)
+    assert lr_factor(9, config) == pytest.approx(1.0)
+    assert lr_factor(300, config) == pytest.approx(0.1)
+    assert lr_factor(1000, config) == pytest.approx(0.1)
+    assert lr_factor(5, OptimizerConfig(warmup_steps=0, decay_steps=0)) == 1.0
+
+
+def test_invalid_settings_name_the_field(model_folder):
+    with pytest.raises(ValueError, match="rollout.num_generations"):
+        RolloutConfig(num_generations=0)
+    with pytest.raises(ValueError, match="loss.tis_cap"):
+        LossConfig(tis_cap=0)
+    with pytest.raises(ValueError, match="vllm"):
+        module(model_folder, rollout=RolloutConfig(engine="vllm"), lora=LoRAConfig())
+
+
+def _two_rank_fit(rank, world, folder):
+    grpo = module(folder)
+    strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=0, callbacks=[LoGRACallback()]).fit(grpo, data(folder))
+    return strategy.logra_optimizer.update_count, [s.weight.full_tensor() for s in strategy.logra_optimizer.sketches]
+
+
+@pytest.mark.distributed
+def test_two_process_logra_fit(model_folder):
+    (count0, weights0), (count1, weights1) = run_lightning_on_two_ranks(_two_rank_fit, model_folder)
+    assert count0 == count1 == 2
+    assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))
