@@ -57,6 +57,10 @@ class LoGRAConfig:
     # the weights are row-sharded over more than one rank, else all-reduces them.
     sketch_reduction: Literal["auto", "all_reduce", "reduce_scatter"] = "auto"
     row_chunk: int = 256
+    # reliability: a non-finite sketch, predicted KL or step scale skips the step (no
+    # weight touched) or raises; too many skips in a row stop the run
+    on_nonfinite: Literal["skip", "raise"] = "skip"
+    max_consecutive_skips: int = 3
 
     def __post_init__(self) -> None:
         self.target_modules = list(self.target_modules)
@@ -115,6 +119,13 @@ class LoGRAConfig:
         _choice(self, "update_factor_dtype", ("bfloat16", "float32"))
         _choice(self, "sketch_reduction", ("auto", "all_reduce", "reduce_scatter"))
         _require(self, "row_chunk", isinstance(self.row_chunk, int) and self.row_chunk >= 1, "an integer >= 1")
+        _choice(self, "on_nonfinite", ("skip", "raise"))
+        _require(
+            self,
+            "max_consecutive_skips",
+            isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1,
+            "an integer >= 1",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

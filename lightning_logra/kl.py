@@ -67,6 +67,8 @@ def measured_kl(
 def kl_step_scale(prediction: float, *, budget: float, alpha_max: float = 3.0) -> float:
     """alpha = min(alpha_max, sqrt(budget / prediction)); 1 when the prediction is exactly 0."""
     prediction = float(prediction)
+    if not (math.isfinite(budget) and budget > 0):
+        raise FloatingPointError(f"KL budget must be a finite number > 0, got {budget}")
     if math.isnan(prediction) or prediction < 0.0:
         raise FloatingPointError(f"predicted KL must be a finite number >= 0, got {prediction}")
     if math.isinf(prediction):

@@ -157,16 +157,17 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         alpha = float(alpha)
         if not math.isfinite(alpha) or alpha < 0:
             raise FloatingPointError(f"step scale alpha must be finite and >= 0, got {alpha}; no weight was changed")
-        factor_dtype = getattr(torch, self.config.update_factor_dtype)
-        chunk = self.config.row_chunk
+        workspace = _UpdateWorkspace.allocate(self.sketches, self._rows, self.config)
+        # Everything below runs in preallocated memory: an out-of-memory error can only
+        # happen above, before any weight has changed, never halfway through the layers.
         for state, direction, (start, stop) in zip(self.sketches, self._prepared.directions, self._rows):
             weight = _local(state.weight)
-            compute = torch.promote_types(torch.float32, weight.dtype)
-            scaled = (alpha * direction).to(factor_dtype).to(compute)
-            projection = state.projection.to(compute)
-            for row in range(0, stop - start, chunk):
-                rows = slice(row, min(row + chunk, stop - start))
-                weight[rows] -= (scaled[rows] @ projection).to(weight.dtype)
+            scaled, projection = workspace.scaled_and_projection(direction, state.projection, alpha)
+            for row in range(0, stop - start, workspace.chunk):
+                rows = slice(row, min(row + workspace.chunk, stop - start))
+                product = workspace.product[: rows.stop - rows.start, : projection.shape[1]]
+                torch.mm(scaled[rows], projection, out=product)
+                weight[rows] -= product
         for state, moment in zip(self.sketches, self._prepared.moments):
             state.second_moment.copy_(moment)
         self.update_count += 1
@@ -305,6 +306,46 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         mesh = state.weight.device_mesh
         rows = state.weight.shape[0]
         return DTensor.from_local(state.second_moment, mesh, [Shard(0)], run_check=False, shape=(rows, 1), stride=(1, 1))
+
+
+@dataclass
+class _UpdateWorkspace:
+    """Buffers for applying W -= (alpha D rounded) A without allocating once started."""
+
+    scaled: torch.Tensor  # rows x rank, compute dtype
+    rounded: torch.Tensor  # rows x rank, the update factor dtype (rounding happens on copy)
+    projection: torch.Tensor  # rank x width, compute dtype
+    product: torch.Tensor  # chunk x width, compute dtype
+    chunk: int
+
+    @classmethod
+    def allocate(cls, sketches: SketchSet, rows: list[tuple[int, int]], config: LoGRAConfig) -> _UpdateWorkspace:
+        dtypes = {_local(state.weight).dtype for state in sketches}
+        if len(dtypes) != 1:
+            raise ValueError(f"LoGRA target weights must share one dtype, found {sorted(map(str, dtypes))}")
+        compute = dtypes.pop()
+        if compute not in (torch.float32, torch.float64):
+            raise ValueError(f"LoGRA needs float32 master weights for its targets, found {compute}")
+        most_rows = max(stop - start for start, stop in rows)
+        widest = max(state.projection.shape[1] for state in sketches)
+        rank = sketches.states[0].projection.shape[0]
+        device = sketches.buffer.device
+        factor = getattr(torch, config.update_factor_dtype)
+        return cls(
+            scaled=torch.empty(most_rows, rank, dtype=compute, device=device),
+            rounded=torch.empty(most_rows, rank, dtype=factor, device=device),
+            projection=torch.empty(rank, widest, dtype=compute, device=device),
+            product=torch.empty(min(config.row_chunk, most_rows), widest, dtype=compute, device=device),
+            chunk=config.row_chunk,
+        )
+
+    def scaled_and_projection(self, direction: torch.Tensor, projection: torch.Tensor, alpha: float):
+        rows = direction.shape[0]
+        scaled = self.scaled[:rows].copy_(direction).mul_(alpha)
+        scaled.copy_(self.rounded[:rows].copy_(scaled))  # alpha * D rounded to the factor dtype
+        if projection.dtype == self.projection.dtype:
+            return scaled, projection
+        return scaled, self.projection[:, : projection.shape[1]].copy_(projection)
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

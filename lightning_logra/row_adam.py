@@ -58,7 +58,8 @@ def row_adam_directions(
     _all_reduce(nonfinite, dist.ReduceOp.SUM, row_group)
     if nonfinite.any():
         bad = [(names[i] if names else f"#{i}") for i in range(count) if nonfinite[i] > 0]
-        raise FloatingPointError(f"non-finite values in the sketch of {', '.join(bad)}; no update was prepared")
+        listed = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more layers" if len(bad) > 3 else "")
+        raise FloatingPointError(f"non-finite values in the sketch of {listed}; no update was prepared")
 
     row_mean_squares = [s.pow(2).mean(dim=1, keepdim=True) for s in sketches]
     for moment, mean_square in zip(second_moments, row_mean_squares):

@@ -82,7 +82,7 @@ def reference_weights(steps: int, global_batch: int, logra: LoGRAConfig, micro_b
 def trained_weights(strategy) -> list[torch.Tensor]:
     """Full target weights after training (a collective under FSDP2: every rank calls it)."""
     return [
-        state.weight.full_tensor() if hasattr(state.weight, "full_tensor") else state.weight.detach().clone()
+        (state.weight.full_tensor() if hasattr(state.weight, "full_tensor") else state.weight.detach()).clone()
         for state in strategy.logra_optimizer.sketches
     ]
 

@@ -206,3 +206,16 @@ def test_fit_resumed_mid_epoch_continues_the_same_order(tmp_path):
     full = fit_prompts(tmp_path / "full", max_steps=8)
     assert fit_prompts(tmp_path / "a", 8, ckpt_path=tmp_path / "full" / "epoch=0-step=3.ckpt") == full[3:]
     assert fit_prompts(tmp_path / "b", 8, ckpt_path=tmp_path / "full" / "epoch=1-step=6.ckpt") == full[6:]
+
+
+def test_field_map_renames_columns_before_validation(tmp_path):
+    import json
+
+    from lightning_logra.data import PromptDataModule
+
+    path = tmp_path / "gsm.jsonl"
+    path.write_text(json.dumps({"question": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"}) + "\n")
+    data = PromptDataModule(train=str(path), field_map={"question": "prompt"}, batch_size=1)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    assert batch["prompt_text"] == ["What is 2 + 2?"] and batch["answer"] == ["2 + 2 = 4\n#### 4"]

@@ -65,6 +65,9 @@ class LoGRACallback(Callback):
         self._batch = batch
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        runtime = getattr(trainer.strategy, "runtime", None)
+        if runtime is not None and (self._metrics or runtime.skipped_steps):
+            self._metrics["logra/skipped_steps"] = float(runtime.skipped_steps)
         if not self._metrics:
             return
         for key, value in self._metrics.items():

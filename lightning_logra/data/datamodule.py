@@ -24,6 +24,10 @@ class PromptDataModule(LightningDataModule):
     Prompts longer than ``max_prompt_tokens`` are dropped; counts of dropped rows are in
     ``skipped`` (e.g. ``skipped["train"]["invalid"]``).
 
+    ``field_map`` renames a dataset's columns to ``prompt``/``messages``/``answer`` before
+    validation, e.g. ``{"question": "prompt"}`` for GSM8K (whose ``answer`` ends in ``#### N``,
+    which the math reward reduces to N).
+
     Training order is a seeded shuffle per epoch, split across ranks (a
     ``DistributedSampler``). The train loader's position is saved in Trainer checkpoints,
     so a fit resumed mid-epoch continues that epoch's order where the checkpoint left it.
@@ -44,6 +48,7 @@ class PromptDataModule(LightningDataModule):
         train_split: str = "train",
         val_split: str = "test",
         seed: int = 0,
+        field_map: dict[str, str] | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -58,6 +63,7 @@ class PromptDataModule(LightningDataModule):
         self.skip_invalid_rows = skip_invalid_rows
         self.max_prompt_tokens = max_prompt_tokens
         self.seed = seed
+        self.field_map = dict(field_map or {})
         self.datasets: dict[str, PromptDataset] = {}
         self.skipped: dict[str, dict[str, int]] = {}
 
@@ -98,6 +104,8 @@ class PromptDataModule(LightningDataModule):
             rows = reasoning_gym_rows(name.removeprefix("reasoning_gym:"), size, seed)
         else:
             rows = read_rows(source, hub_split)
+        if self.field_map:
+            rows = [_renamed(row, self.field_map) for row in rows]
         if self.skip_invalid_rows:
             valid, invalid = validate_rows(rows, name, skip_invalid_rows=True)
         else:
@@ -127,6 +135,12 @@ class PromptDataModule(LightningDataModule):
             "num_workers": self.num_workers,
             "collate_fn": collate_prompts,
         }
+
+
+def _renamed(row, field_map: dict[str, str]):
+    if not isinstance(row, dict):
+        return row  # validate_rows reports it with its position
+    return {field_map.get(key, key): value for key, value in row.items()}
 
 
 class PromptDataset(Dataset):

@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_logra.config import LoGRAConfig
 from lightning_logra.optimizer import LoGRAOptimizer
+from lightning_logra.reliability import memory_phase, verify_ranks_agree
 from lightning_logra.sketch import find_targets
 
 REFUSED_PRECISIONS = ("16-mixed", "16", "16-true", "transformer-engine", "transformer-engine-float16")
@@ -94,6 +95,8 @@ class LoGRARuntime:
         self.policy: nn.Module | None = None
         self.controller: KLController | None = None
         self.base_lr: float | None = None
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
         self._warned_uncontrolled = False
 
     def install(self, root: nn.Module, *, compute_dtype: torch.dtype | None) -> LoGRAOptimizer:
@@ -101,6 +104,7 @@ class LoGRARuntime:
         find_targets(self.policy, self.config.target_modules)  # clear error before anything changes
         frozen = [p for p in root.parameters() if not p.requires_grad]
         self.optimizer = LoGRAOptimizer(self.policy, self.config, compute_dtype=compute_dtype, freeze_non_targets=False)
+        verify_ranks_agree(self.optimizer.sketches, self.config.to_dict())
         if not self.train_non_targets:
             for parameter in root.parameters():
                 parameter.requires_grad_(False)
@@ -133,22 +137,50 @@ class LoGRARuntime:
         if user_optimizer is not None and self.base_lr:
             lr = float(user_optimizer.param_groups[0]["lr"])
             optimizer.param_groups[0]["lr"] = self.config.update_ratio * lr / self.base_lr
-        optimizer.prepare_update(normalization_tokens=normalization_tokens, process_group=process_group)
-        if self.controller is None:
-            if not self._warned_uncontrolled:
-                warnings.warn(
-                    "LoGRA is stepping without KL control (alpha = 1): add lightning_logra.LoGRACallback() "
-                    "to the Trainer's callbacks to scale every step to the KL budget",
-                    stacklevel=2,
-                )
-                self._warned_uncontrolled = True
-            alpha = 1.0
-        else:
-            alpha = self.controller.choose_alpha(optimizer, self.policy)
-        optimizer.step(alpha=alpha)
+        try:
+            with memory_phase("update"):
+                optimizer.prepare_update(normalization_tokens=normalization_tokens, process_group=process_group)
+            with memory_phase("probe"):
+                alpha = self._alpha(optimizer)
+            with memory_phase("update"):
+                optimizer.step(alpha=alpha)
+        except FloatingPointError as error:
+            # Sketch flags, the probe and alpha are reduced across ranks, so every rank
+            # lands here together and stays consistent.
+            if self.config.on_nonfinite == "raise":
+                raise
+            self._skip(optimizer, user_optimizer, error)
+            return False
+        self.consecutive_skips = 0
         if self.controller is not None:
             self.controller.after_update(optimizer, self.policy)
         return True
+
+    def _alpha(self, optimizer: LoGRAOptimizer) -> float:
+        if self.controller is not None:
+            return self.controller.choose_alpha(optimizer, self.policy)
+        if not self._warned_uncontrolled:
+            warnings.warn(
+                "LoGRA is stepping without KL control (alpha = 1): add lightning_logra.LoGRACallback() "
+                "to the Trainer's callbacks to scale every step to the KL budget",
+                stacklevel=3,
+            )
+            self._warned_uncontrolled = True
+        return 1.0
+
+    def _skip(self, optimizer: LoGRAOptimizer, user_optimizer: torch.optim.Optimizer | None, error: Exception) -> None:
+        """No weight changes: sketches dropped, the user's optimizer sees no gradients."""
+        optimizer.skip_update()
+        if user_optimizer is not None:
+            user_optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        if self.consecutive_skips >= self.config.max_consecutive_skips:
+            raise FloatingPointError(
+                f"LoGRA skipped {self.consecutive_skips} consecutive steps with non-finite values "
+                f"(max_consecutive_skips={self.config.max_consecutive_skips}); last: {error}"
+            ) from error
+        warnings.warn(f"LoGRA skipped a step ({self.skipped_steps} so far, no weight changed): {error}", stacklevel=3)
 
     def any_backward(self, process_group: dist.ProcessGroup | None) -> bool:
         calls = torch.tensor(

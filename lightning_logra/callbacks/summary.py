@@ -1,0 +1,53 @@
+"""RunSummary: one table at the end of fit, so a long run ends with its answer."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+
+GIB = 2**30
+
+
+class RunSummary(Callback):
+    """Prints reward before/after (mean of the first and last ``window`` steps), the last
+    validation scores, peak memory, and LoGRA's state beside its dense-AdamW equivalent."""
+
+    def __init__(self, window: int = 3) -> None:
+        self.window = window
+        self.rewards: list[float] = []
+        self._started = 0.0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        reward = trainer.callback_metrics.get("reward/mean")
+        if reward is not None:
+            self.rewards.append(float(reward))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        rank_zero_info(self.render(trainer))
+
+    def render(self, trainer) -> str:
+        metrics = trainer.callback_metrics
+        lines = [f"Run summary: {trainer.global_step} steps in {time.perf_counter() - self._started:.0f} s"]
+        if self.rewards:
+            window = min(self.window, len(self.rewards))
+            first = sum(self.rewards[:window]) / window
+            last = sum(self.rewards[-window:]) / window
+            lines.append(f"  reward/mean      first {window} steps {first:.3f} -> last {window} steps {last:.3f} ({last - first:+.3f})")
+        for key in sorted(k for k in metrics if k.startswith("val/")):
+            lines.append(f"  {key:<16} {float(metrics[key]):.3f} (last validation)")
+        if torch.cuda.is_available():
+            lines.append(f"  peak GPU memory  {torch.cuda.max_memory_allocated() / GIB:.2f} GiB allocated")
+        else:
+            lines.append(f"  peak memory      {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB process RSS")
+        if "memory/logra_state_mib" in metrics:
+            state = float(metrics["memory/logra_state_mib"])
+            dense = float(metrics["memory/dense_equivalent_mib"])
+            lines.append(f"  LoGRA state      {state:,.1f} MiB vs {dense:,.1f} MiB for dense AdamW ({state / dense:.1%})")
+        return "\n".join(lines)
