@@ -28,6 +28,7 @@ from lightning_logra.modules.losses import (
     reinforce_baseline_loss,
 )
 from lightning_logra.modules.policy import load_policy
+from lightning_logra.reliability import memory_phase
 from lightning_logra.rewards.runner import RewardRunner
 
 DEFAULT_REWARD = "lightning_logra.rewards.math:math_reward"
@@ -57,6 +58,7 @@ class GRPOModule(L.LightningModule):
         activation_checkpointing: bool = True,
         logprob_chunk_size: int = 1024,
         cache_dir: str | None = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -69,6 +71,7 @@ class GRPOModule(L.LightningModule):
             raise ValueError("rollout.engine='vllm' with lora is not supported: vLLM would need merged weights")
         self.micro_batch_size = micro_batch_size
         self.logprob_chunk_size = logprob_chunk_size
+        self.seed = seed
         self.automatic_optimization = False
 
         self.policy, self.tokenizer = load_policy(model, cache_dir=cache_dir)
@@ -110,7 +113,11 @@ class GRPOModule(L.LightningModule):
     # Training ---------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
         config, started = self.rollout_config, time.perf_counter()
-        rollouts = self.engine.generate(batch["prompt_text"], num_generations=config.num_generations)
+        # Sampling randomness is derived from (seed, step, rank), not carried over from
+        # earlier steps: a resumed run samples exactly what the uninterrupted one did.
+        torch.manual_seed(sampling_seed(self.seed, self.global_step, self.global_rank))
+        with memory_phase("rollout"):
+            rollouts = self.engine.generate(batch["prompt_text"], num_generations=config.num_generations)
         generated_s = time.perf_counter() - started
         answers = [answer for answer in batch["answer"] for _ in range(config.num_generations)]
         scores, failures = self.reward_runner(rollouts.completion_text, answers)
@@ -120,7 +127,7 @@ class GRPOModule(L.LightningModule):
         input_ids, attention_mask = rollouts.input_ids, rollouts.attention_mask
         mask = rollouts.completion_mask[:, 1:].bool()  # log-prob t scores token t + 1
         rollout_logprobs = rollouts.rollout_logprobs[:, 1:]
-        with torch.no_grad():
+        with torch.no_grad(), memory_phase("backward"):
             trainer_logprobs = self._logprobs(self.policy, input_ids, attention_mask)
             reference_logprobs = self._logprobs(self.reference, input_ids, attention_mask) if self.reference is not None else None
         self._remember(rollouts, mask, rollout_logprobs, trainer_logprobs)
@@ -133,7 +140,8 @@ class GRPOModule(L.LightningModule):
         stats_sum: dict[str, torch.Tensor] = {}
         for start in range(0, input_ids.shape[0], self.micro_batch_size):
             part = slice(start, start + self.micro_batch_size)
-            logprobs, entropy = self._logprobs(self.policy, input_ids[part], attention_mask[part], entropy=True)
+            with memory_phase("backward"):
+                logprobs, entropy = self._logprobs(self.policy, input_ids[part], attention_mask[part], entropy=True)
             loss, stats = self._loss(
                 logprobs, trainer_logprobs[part], rollout_logprobs[part], advantages[part], mask[part],
                 None if reference_logprobs is None else reference_logprobs[part],
@@ -141,7 +149,8 @@ class GRPOModule(L.LightningModule):
             # Each part's loss is normalised over its own tokens (rows); reweight so that the
             # sum over parts and ranks is the batch-wide mean (data parallelism averages).
             weight = mask[part].sum() / tokens if self._per_token_normaliser else (logprobs.shape[0] / rows)
-            self.manual_backward(loss * weight * world)
+            with memory_phase("backward"):
+                self.manual_backward(loss * weight * world)
             entropy_sum += (entropy.detach() * mask[part]).sum()
             for key, value in stats.items():
                 stats_sum[key] = stats_sum.get(key, 0) + value * mask[part].sum()
@@ -205,6 +214,7 @@ class GRPOModule(L.LightningModule):
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
         config = self.rollout_config
         n = config.val_generations
+        torch.manual_seed(sampling_seed(self.seed + 1, batch_idx, self.global_rank))
         rollouts = self.engine.generate(batch["prompt_text"], num_generations=n, temperature=config.val_temperature, top_p=config.val_top_p)
         answers = [answer for answer in batch["answer"] for _ in range(n)]
         scores, _ = self.reward_runner(rollouts.completion_text, answers)
@@ -306,6 +316,10 @@ class GRPOModule(L.LightningModule):
             metrics[f"policy/{key}"] = value / token_count
         for key, value in metrics.items():
             self.log(key, value, on_step=True, prog_bar=key == "reward/mean", batch_size=1)
+
+
+def sampling_seed(seed: int, step: int, rank: int) -> int:
+    return (seed * 1_000_003 + step * 7_919 + rank * 104_729) % 2**63
 
 
 def lr_factor(step: int, config: OptimizerConfig) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +25,9 @@ from lightning_logra.strategies.engine import (
     policy_module,
     shard_policy,
 )
+
+
+PARTIAL_SUFFIX = ".partial"
 
 
 class LoGRAFSDPStrategy(ModelParallelStrategy):
@@ -110,19 +114,26 @@ class LoGRAFSDPStrategy(ModelParallelStrategy):
         return super().optimizer_step(optimizer, closure_then_logra_update, model, **kwargs)
 
     # Checkpoints: always distributed (one shard per rank), with LoGRA's tensors beside the
-    # model and optimizer shards and its configuration in the rank-0 metadata file.
+    # model and optimizer shards and its configuration in the rank-0 metadata file. Written
+    # into "<name>.partial" and renamed into place once every rank has finished, so a run
+    # killed mid-save never leaves a checkpoint that looks complete.
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(filepath))
-        if path.is_file():
-            path.unlink()
-        path.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        if self.global_rank == 0 and partial.exists():
+            shutil.rmtree(partial)
+        self.barrier()
         shards = {"state_dict": checkpoint.pop("state_dict"), "logra": self.runtime.checkpoint_tensors()}
         shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        dcp.save(shards, checkpoint_id=path)
+        dcp.save(shards, checkpoint_id=partial)
         if self.global_rank == 0:
-            torch.save({**checkpoint, "logra": self.runtime.checkpoint_metadata()}, path / _METADATA_FILENAME)
+            torch.save({**checkpoint, "logra": self.runtime.checkpoint_metadata()}, partial / _METADATA_FILENAME)
+        self.barrier()
+        if self.global_rank == 0:
+            _move_into_place(partial, path)
+        self.barrier()
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
@@ -138,6 +149,21 @@ class LoGRAFSDPStrategy(ModelParallelStrategy):
         dcp.load(tensors, checkpoint_id=path)
         self.runtime.load_checkpoint_tensors(tensors["logra"], metadata)
         return remaining
+
+
+def _move_into_place(partial: Path, path: Path) -> None:
+    """Replace ``path`` by the finished ``partial`` folder (two renames, no copying)."""
+    if path.is_file() or path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        retired = path.with_name(path.name + ".old")
+        if retired.exists():
+            shutil.rmtree(retired)
+        path.rename(retired)
+        partial.rename(path)
+        shutil.rmtree(retired)
+        return
+    partial.rename(path)
 
 
 def _find_controller(trainer):
