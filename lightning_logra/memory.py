@@ -30,7 +30,6 @@ class MemoryReport:
     rank: int
     world_size: int
     sketch_accumulator_bytes: int
-    reduced_sketch_bytes: int
     projection_bytes: int
     second_moment_bytes: int
     logra_state_bytes: int
@@ -44,7 +43,7 @@ class MemoryReport:
         mib = 2**20
         return (
             f"LoGRA state {self.logra_state_bytes / mib:,.1f} MiB per rank (sketch accumulator "
-            f"{self.sketch_accumulator_bytes / mib:,.1f}, reduced sketch/directions {self.reduced_sketch_bytes / mib:,.1f}, "
+            f"{self.sketch_accumulator_bytes / mib:,.1f}, "
             f"projections {self.projection_bytes / mib:,.1f}, moments {self.second_moment_bytes / mib:,.1f}) vs dense AdamW "
             f"{self.dense_adamw_bytes / mib:,.1f} MiB for {self.target_parameters:,} target weights in {self.layers} layers"
         )
@@ -60,10 +59,12 @@ def memory_report(
 ) -> MemoryReport:
     """LoGRA's per-rank memory for ``model``'s targets at ``world_size`` data-parallel ranks.
 
-    Every rank accumulates a full float32 sketch (its own tokens touch every row). Under
-    the reduce-scatter layout (default when world_size > 1) the reduced sketch, the RowAdam
-    directions and the row moments are split by rows; under all-reduce the sketch is
-    reduced in place and directions and moments are replicated.
+    Every rank accumulates a full float32 sketch (its own tokens touch every row); the
+    reduced sketch and the RowAdam directions live inside that accumulator. Under the
+    reduce-scatter layout (default when world_size > 1) each rank reduces, scales and keeps
+    moments for its own rows only, and the traffic is a reduce-scatter instead of an
+    all-reduce; under all-reduce every rank repeats the work on every row. The update's transient workspace (one
+    layer's rows x rank plus one 256-row chunk) is not counted.
     """
     config = config or LoGRAConfig()
     if world_size < 1:
@@ -79,8 +80,9 @@ def memory_report(
 
     owned_rows = -(-rows // world_size) if sharded_rows else rows
     accumulator = rows * config.rank * FLOAT32
-    reduced = owned_rows * config.rank * FLOAT32 if sharded_rows else 0  # all-reduce works in place
-    directions = owned_rows * config.rank * FLOAT32
+    # The reduced sketch becomes the RowAdam directions in place, inside the accumulator
+    # (reduce-scatter receives each rank's rows into its own block of it). Only layers
+    # whose rows do not split evenly over the ranks need a padded copy (not counted).
     projections = widths * config.rank * projection_element
     moments = owned_rows * FLOAT32
     return MemoryReport(
@@ -89,10 +91,9 @@ def memory_report(
         rank=config.rank,
         world_size=world_size,
         sketch_accumulator_bytes=accumulator,
-        reduced_sketch_bytes=reduced + directions,
         projection_bytes=projections,
         second_moment_bytes=moments,
-        logra_state_bytes=accumulator + reduced + directions + projections + moments,
+        logra_state_bytes=accumulator + projections + moments,
         dense_adamw_bytes=-(-parameters // world_size) * 3 * FLOAT32,
         reference_bytes=(rows + widths) * config.rank * FLOAT32,
     )

@@ -30,7 +30,8 @@ from lightning_logra.sketch import SketchSet, install_sketches, local_row_range
 
 @dataclass(frozen=True)
 class PreparedUpdate:
-    """What prepare_update computed; directions are already scaled to update_ratio."""
+    """What prepare_update computed; directions are already scaled to update_ratio. They
+    occupy the spent sketch buffers, so they are valid until step() or skip_update()."""
 
     directions: list[torch.Tensor]  # local rows x rank, float32, per layer
     moments: list[torch.Tensor]  # RowAdam second moments after this step, committed by step()
@@ -116,15 +117,15 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             epsilon=self.config.epsilon,
             names=[state.name for state in self.sketches],
             row_group=self._weight_group if self.reduction == "reduce_scatter" else None,
+            inplace=True,  # the spent sketches become the directions: no second d x r buffer
         )
         if self.reduction == "all_reduce" and self._weight_group is not None:
             # Replicated RowAdam, row-sharded weights: keep only the rows this rank updates.
             directions = [d[start:stop].clone() for d, (start, stop) in zip(directions, self._rows)]
-            normalized = [s[start:stop] for s, (start, stop) in zip(normalized, self._rows)]
 
         squares = torch.zeros(3, dtype=torch.float64, device=self.sketches.buffer.device)
-        for state, direction, sketch in zip(self.sketches, directions, normalized):
-            squares[0] += sketch.double().pow(2).sum()
+        for state, direction in zip(self.sketches, directions):
+            squares[0] += direction.double().pow(2).sum()  # RowAdam keeps each layer's ||S_hat||
             squares[1] += _local(state.weight).double().pow(2).sum()
             squares[2] += _update_square_norm(direction, state.projection)
         if self._weight_group is not None:
@@ -286,10 +287,14 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             rows, rank = state.sketch.shape
             chunk = -(-rows // world)
             source = state.sketch
-            if chunk * world != rows:  # FSDP2's uneven split: pad the last ranks' blocks
+            if chunk * world == rows:
+                # In place: this rank's block of its own sketch receives the reduced rows,
+                # so the reduction needs no memory beyond the accumulator.
+                received = source[start : start + chunk]
+            else:  # FSDP2's uneven split: pad the last ranks' blocks
                 source = torch.zeros(chunk * world, rank, dtype=source.dtype, device=source.device)
                 source[:rows] = state.sketch
-            received = torch.empty(chunk, rank, dtype=source.dtype, device=source.device)
+                received = torch.empty(chunk, rank, dtype=source.dtype, device=source.device)
             work = dist.reduce_scatter_single(received, source, op=dist.ReduceOp.SUM, group=group, async_op=True)
             pending.append((work, received, stop - start))
         local = []

@@ -42,12 +42,14 @@ def row_adam_directions(
     epsilon: float,
     names: Sequence[str] | None = None,
     row_group: dist.ProcessGroup | None = None,
+    inplace: bool = False,
 ) -> list[torch.Tensor]:
     """RowAdam for many layers at once.
 
     With ``row_group``, each rank passes only the rows it owns of every layer and the
     per-layer scalars are all-reduced over the group (four small collectives in all,
     whatever the number of layers). Without it, each sketch holds all of its layer's rows.
+    With ``inplace`` the directions overwrite the sketches (no second d x r buffer).
     """
     if step < 1:
         raise ValueError(f"RowAdam step counts from 1, got {step}")
@@ -93,7 +95,8 @@ def row_adam_directions(
         scales, sketches, norms, rho_sums
     ):
         rms = (scale_square_sum / rows).sqrt()
-        direction = (scale / rms) * sketch  # RMS of the row scales over the layer is 1
+        # RMS of the row scales over the layer is 1
+        direction = sketch.mul_(scale / rms) if inplace else (scale / rms) * sketch
         direction_norm = scaled_square_sum.sqrt() / rms
         # Keep the layer's sketch norm ||S_hat||_F; an all-zero sketch stays all zero.
         # torch.where instead of an `if` keeps the GPU free of a sync per layer.

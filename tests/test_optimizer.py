@@ -75,10 +75,11 @@ def test_applied_update_is_w_minus_alpha_d_a(factor_dtype):
     for tokens in batches(0):
         model(tokens).sum().backward()
     prepared = optimizer.prepare_update(normalization_tokens=36)
+    directions = [d.clone() for d in prepared.directions]  # they live in the sketch buffer
     before = weights(optimizer)
     projections = [state.projection.clone() for state in optimizer.sketches]
     optimizer.step(alpha=2.5)
-    for w, d, a, after in zip(before, prepared.directions, projections, weights(optimizer)):
+    for w, d, a, after in zip(before, directions, projections, weights(optimizer)):
         scaled = (2.5 * d).to(getattr(torch, factor_dtype)).float()
         torch.testing.assert_close(after, w - scaled @ a, rtol=0, atol=0)
         assert not torch.equal(after, w)
