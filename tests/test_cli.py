@@ -83,3 +83,12 @@ def test_strategy_name_from_the_command_line(config_file, capsys):
     with pytest.raises(SystemExit):
         main(["fit", "-c", str(config_file), "--trainer.strategy=logra_fsdp", "--print_config"])
     assert "strategy: logra_fsdp" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*.yaml")), ids=lambda path: path.name)
+def test_shipped_configs_parse(config, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "-c", str(config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    assert "class_path: lightning_logra.modules.GRPOModule" in capsys.readouterr().out

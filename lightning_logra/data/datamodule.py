@@ -69,9 +69,10 @@ class PromptDataModule(LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if isinstance(self.tokenizer, (str, Path)):
-            from transformers import AutoTokenizer
+            # Lazy: resolves built-in offline names (e.g. "smollm2-135m-instruct") too.
+            from lightning_logra.modules.policy import load_tokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
+            self.tokenizer = load_tokenizer(str(self.tokenizer))
         for split, (source, hub_split, size, seed) in self.sources.items():
             if source is not None and split not in self.datasets:
                 self.datasets[split] = self._build(split, source, hub_split, size, seed)

@@ -19,7 +19,8 @@ class InvalidJSONLine(NamedTuple):
 
 def read_rows(path_or_name: str | Path, split: str | None = None) -> list:
     """Rows of a ``.jsonl``/``.ndjson``, ``.json`` (a list) or ``.parquet`` file, or of a
-    Hugging Face ``datasets`` name (``split`` defaults to ``"train"``).
+    Hugging Face ``datasets`` name, optionally with a configuration after a colon
+    (``"openai/gsm8k:main"``; ``split`` defaults to ``"train"``).
 
     JSONL gives one entry per line, so row ``i`` is line ``i + 1`` (blank lines at the end
     of the file are ignored; an unparsable line becomes an ``InvalidJSONLine``).
@@ -112,7 +113,8 @@ def _read_hub_dataset(name: str, split: str) -> list[dict]:
         raise ImportError(
             f"{name!r} is not a file; loading it as a Hugging Face dataset needs `pip install datasets`"
         ) from error
-    return list(datasets.load_dataset(name, split=split))
+    name, _, configuration = name.partition(":")
+    return list(datasets.load_dataset(name, configuration or None, split=split))
 
 
 def _row_problem(row) -> str | None:
