@@ -83,6 +83,20 @@ def load_policy(
     return model, tokenizer
 
 
+def load_tokenizer(name_or_path: str, *, cache_dir: str | Path | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``name_or_path`` (built-in names resolved as in ``load_policy``),
+    padding on the left with a pad token."""
+    key = str(name_or_path)
+    source = str(ensure_converted(key.lower(), cache_dir)) if key.lower() in BUILTIN_MODELS else key
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"the tokenizer of {source!r} has neither a pad nor an EOS token; set one")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
 def ensure_converted(name: str, cache_dir: str | Path | None = None) -> Path:
     """The converted folder of built-in model ``name``, converting the GGUF file if needed.
 
