@@ -3,6 +3,8 @@ import importlib.util
 import pytest
 import torch
 
+from tests.tiny_models import byte_tokenizer, tiny_qwen2
+
 
 def pytest_collection_modifyitems(config, items):
     no_cuda = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
@@ -13,3 +15,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_cuda)
         if "vllm" in item.keywords and not (has_vllm and torch.cuda.is_available()):
             item.add_marker(no_vllm)
+
+
+@pytest.fixture(scope="session")
+def model_folder(tmp_path_factory) -> str:
+    """A tiny random Qwen2 and its byte-level tokenizer saved as a Hugging Face folder."""
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    tokenizer = byte_tokenizer(folder)
+    model = tiny_qwen2(vocab_size=len(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

@@ -1,4 +1,4 @@
-"""Run a function on 2 CPU processes over gloo and collect what rank 0 returns."""
+"""Run a function on 2 CPU processes over gloo and collect what each rank returns."""
 
 from __future__ import annotations
 
@@ -17,55 +17,31 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, function, args, results) -> None:
+def _worker(rank: int, world: int, port: int, lightning: bool, function, args, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        value = function(rank, world, *args)
-        results[rank] = ("ok", value)
-    except BaseException:  # reported to the parent, which fails the test
-        results[rank] = ("error", traceback.format_exc())
-    finally:
-        dist.destroy_process_group()
-
-
-def run_on_two_ranks(function, *args):
-    """Returns [rank 0's value, rank 1's value]; any rank's exception fails with its traceback."""
-    manager = mp.get_context("spawn").Manager()
-    results = manager.dict()
-    mp.start_processes(_worker, args=(2, _free_port(), function, args, results), nprocs=2, start_method="spawn")
-    values = []
-    for rank in range(2):
-        status, value = results[rank]
-        if status != "ok":
-            raise AssertionError(f"rank {rank} failed:\n{value}")
-        values.append(value)
-    return values
-
-
-def _lightning_worker(rank: int, world: int, port: int, function, args, results) -> None:
-    # What torchrun sets: Lightning then sees externally created processes, launches
-    # nothing itself, and initialises the process group from these variables.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-        LOCAL_RANK=str(rank), GROUP_RANK="0", LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID="tests",
-    )
+    if lightning:
+        # What torchrun sets: Lightning then sees externally created processes, launches
+        # nothing itself, and initialises the process group from these variables.
+        os.environ.update(
+            WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
+            LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID="tests",
+        )
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
         results[rank] = ("ok", function(rank, world, *args))
-    except BaseException:
+    except BaseException:  # reported to the parent, which fails the test
         results[rank] = ("error", traceback.format_exc())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_lightning_on_two_ranks(function, *args):
-    """Like run_on_two_ranks, for functions that build a Trainer or Fabric with devices=2."""
+def _run(lightning: bool, function, args) -> list:
     manager = mp.get_context("spawn").Manager()
     results = manager.dict()
-    mp.start_processes(_lightning_worker, args=(2, _free_port(), function, args, results), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(2, _free_port(), lightning, function, args, results), nprocs=2, start_method="spawn")
     values = []
     for rank in range(2):
         status, value = results[rank]
@@ -73,3 +49,14 @@ def run_lightning_on_two_ranks(function, *args):
             raise AssertionError(f"rank {rank} failed:\n{value}")
         values.append(value)
     return values
+
+
+def run_on_two_ranks(function, *args) -> list:
+    """[rank 0's value, rank 1's value] of ``function(rank, world, *args)`` with the gloo
+    process group initialised; any rank's exception fails with its traceback."""
+    return _run(False, function, args)
+
+
+def run_lightning_on_two_ranks(function, *args) -> list:
+    """Like run_on_two_ranks, for functions that build a Trainer or Fabric with devices=2."""
+    return _run(True, function, args)

@@ -11,7 +11,6 @@ from lightning_logra.data import PromptDataModule
 from lightning_logra.modules import GRPOModule, LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
 from lightning_logra.modules.grpo import lr_factor
 from tests.distributed import run_lightning_on_two_ranks
-from tests.tiny_models import byte_tokenizer, tiny_qwen2
 
 LOGGED = {"reward/mean", "reward/std", "reward/zero_std_groups", "reward/failures", "completion/length_mean",
           "completion/length_max", "completion/clipped_fraction", "policy/entropy", "policy/clip_fraction",
@@ -21,17 +20,6 @@ LOGGED = {"reward/mean", "reward/std", "reward/zero_std_groups", "reward/failure
 def varied_reward(completions, answers):
     """A reward a random tiny model earns unevenly, so that advantages are not all zero."""
     return [sum(map(ord, text)) % 7 / 7 for text in completions]
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-qwen2")
-    tokenizer = byte_tokenizer(folder)
-    model = tiny_qwen2(vocab_size=len(tokenizer))
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 def module(folder, **overrides):

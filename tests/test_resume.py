@@ -19,21 +19,9 @@ from lightning_logra.data import PromptDataModule
 from lightning_logra.modules import LossConfig, OptimizerConfig, RolloutConfig
 from tests.distributed import run_lightning_on_two_ranks
 from tests.resume_helpers import RecordingGRPO
-from tests.tiny_models import byte_tokenizer, tiny_qwen2
 
 REPO = Path(__file__).resolve().parents[1]
 REWARD = "tests.test_grpo_module:varied_reward"
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-qwen2-resume")
-    tokenizer = byte_tokenizer(folder)
-    model = tiny_qwen2(vocab_size=len(tokenizer))
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 def grpo(folder):

@@ -1,0 +1,33 @@
+"""The quickstart from Python: GRPO on small arithmetic with LoGRA, SmolLM2-135M, CPU.
+
+    python examples/grpo_math.py
+"""
+
+import lightning as L
+from lightning.pytorch.loggers import MLFlowLogger
+
+from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
+from lightning_logra.callbacks import RunSummary
+from lightning_logra.cli import default_tracking_uri
+from lightning_logra.data import PromptDataModule
+from lightning_logra.modules import GRPOModule, OptimizerConfig, RolloutConfig
+
+L.seed_everything(0)
+policy = GRPOModule(
+    model="smollm2-135m-instruct",
+    rollout=RolloutConfig(num_generations=4, max_new_tokens=16, val_generations=4),
+    optimizer=OptimizerConfig(warmup_steps=0, decay_steps=0),
+    micro_batch_size=16,
+    activation_checkpointing=False,
+)
+data = PromptDataModule(train="arithmetic", val="arithmetic", tokenizer="smollm2-135m-instruct",
+                        batch_size=8, train_size=512, val_size=32, system_prompt="Answer with just the number.")
+trainer = L.Trainer(
+    accelerator="cpu",
+    strategy=LoGRAFSDPStrategy(logra=LoGRAConfig(kl_budget=2e-3, kl_budget_final=5e-4, schedule_steps=16)),
+    callbacks=[LoGRACallback(), RunSummary()],
+    logger=MLFlowLogger(experiment_name="quickstart", run_name="logra-python", tracking_uri=default_tracking_uri()),
+    max_steps=16, val_check_interval=8, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+    log_every_n_steps=1, enable_checkpointing=False,
+)
+trainer.fit(policy, data)
