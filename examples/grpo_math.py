@@ -15,13 +15,13 @@ from lightning_logra.modules import GRPOModule, OptimizerConfig, RolloutConfig
 L.seed_everything(0)
 policy = GRPOModule(
     model="smollm2-135m-instruct",
-    rollout=RolloutConfig(num_generations=4, max_new_tokens=16, val_generations=4),
+    rollout=RolloutConfig(num_generations=8, max_new_tokens=16, val_generations=4),
     optimizer=OptimizerConfig(warmup_steps=0, decay_steps=0),
     micro_batch_size=16,
     activation_checkpointing=False,
 )
-data = PromptDataModule(train="arithmetic", val="arithmetic", tokenizer="smollm2-135m-instruct",
-                        batch_size=8, train_size=512, val_size=32, system_prompt="Answer with just the number.")
+data = PromptDataModule(train="arithmetic:1", val="arithmetic:1", tokenizer="smollm2-135m-instruct",
+                        instruction=" Answer with just the number.", batch_size=4, train_size=512, val_size=32)
 trainer = L.Trainer(
     accelerator="cpu",
     strategy=LoGRAFSDPStrategy(logra=LoGRAConfig(kl_budget=2e-3, kl_budget_final=5e-4, schedule_steps=16)),

@@ -125,8 +125,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
         squares = torch.zeros(3, dtype=torch.float64, device=self.sketches.buffer.device)
         for state, direction in zip(self.sketches, directions):
-            squares[0] += direction.double().pow(2).sum()  # RowAdam keeps each layer's ||S_hat||
-            squares[1] += _local(state.weight).double().pow(2).sum()
+            # float64 accumulation without a float64 copy of the weight
+            squares[0] += torch.linalg.vector_norm(direction, dtype=torch.float64).square()  # = ||S_hat|| per layer
+            squares[1] += torch.linalg.vector_norm(_local(state.weight), dtype=torch.float64).square()
             squares[2] += _update_square_norm(direction, state.projection)
         if self._weight_group is not None:
             dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self._weight_group)

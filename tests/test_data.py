@@ -219,3 +219,15 @@ def test_field_map_renames_columns_before_validation(tmp_path):
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     assert batch["prompt_text"] == ["What is 2 + 2?"] and batch["answer"] == ["2 + 2 = 4\n#### 4"]
+
+
+def test_instruction_and_arithmetic_digits():
+    from lightning_logra.data import PromptDataModule
+
+    data = PromptDataModule(train="arithmetic:1", instruction=" Answer with just the number.", batch_size=4, train_size=4)
+    data.setup("fit")
+    prompts = data.datasets["train"].prompt_texts
+    assert all(p.endswith("? Answer with just the number.") for p in prompts)
+    assert all(len(token) == 1 for p in prompts for token in p.split("?")[0].split()[2::2])
+    with pytest.raises(ValueError, match="arithmetic:<max_digits>"):
+        PromptDataModule(train="arithmetic:x").setup("fit")

@@ -24,6 +24,9 @@ class PromptDataModule(LightningDataModule):
     Prompts longer than ``max_prompt_tokens`` are dropped; counts of dropped rows are in
     ``skipped`` (e.g. ``skipped["train"]["invalid"]``).
 
+    ``instruction`` is appended to every ``prompt`` (e.g. " Answer with just the number.").
+    ``"arithmetic:<max_digits>"`` sets the operands' digits of the built-in source (2 by default).
+
     ``field_map`` renames a dataset's columns to ``prompt``/``messages``/``answer`` before
     validation, e.g. ``{"question": "prompt"}`` for GSM8K (whose ``answer`` ends in ``#### N``,
     which the math reward reduces to N).
@@ -49,6 +52,7 @@ class PromptDataModule(LightningDataModule):
         val_split: str = "test",
         seed: int = 0,
         field_map: dict[str, str] | None = None,
+        instruction: str | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -64,6 +68,7 @@ class PromptDataModule(LightningDataModule):
         self.max_prompt_tokens = max_prompt_tokens
         self.seed = seed
         self.field_map = dict(field_map or {})
+        self.instruction = instruction
         self.datasets: dict[str, PromptDataset] = {}
         self.skipped: dict[str, dict[str, int]] = {}
 
@@ -90,7 +95,10 @@ class PromptDataModule(LightningDataModule):
         return DataLoader(self.datasets["val"], **self._loader_args(sampler=None))
 
     def render_prompt(self, row: dict) -> str:
-        messages = row["messages"] if row.get("prompt") is None else [{"role": "user", "content": row["prompt"]}]
+        if row.get("prompt") is None:
+            messages = row["messages"]
+        else:
+            messages = [{"role": "user", "content": row["prompt"] + (self.instruction or "")}]
         if self.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
@@ -99,8 +107,11 @@ class PromptDataModule(LightningDataModule):
 
     def _build(self, split: str, source, hub_split: str, size: int, seed: int) -> "PromptDataset":
         name = str(source)
-        if name == "arithmetic":
-            rows = arithmetic_rows(size, seed)
+        if name == "arithmetic" or name.startswith("arithmetic:"):
+            digits = name.partition(":")[2]
+            if digits and not digits.isdigit():
+                raise ValueError(f"{name!r}: write arithmetic:<max_digits>, e.g. arithmetic:1")
+            rows = arithmetic_rows(size, seed, max_digits=int(digits or 2))
         elif name.startswith("reasoning_gym:"):
             rows = reasoning_gym_rows(name.removeprefix("reasoning_gym:"), size, seed)
         else:

@@ -75,7 +75,7 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
 
         self.policy, self.tokenizer = load_policy(model, cache_dir=cache_dir)
-        self.model_source = model
+        self.policy.train()  # from_pretrained returns eval mode; Lightning keeps modes as found
         if activation_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora is not None:

@@ -72,22 +72,25 @@ def load_policy(
     local folder. The tokenizer gets a pad token (its EOS when it has none) and pads on the
     left; the model's generation config gets the same pad token id when it has none.
     """
-    key = str(name_or_path)
-    if key.lower() in BUILTIN_MODELS:
-        source = str(ensure_converted(key.lower(), cache_dir))
-    else:
-        source = key
+    source = model_source(name_or_path, cache_dir)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    _prepare_for_generation(model, tokenizer, source)
+    tokenizer = load_tokenizer(source)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and generation_config.pad_token_id is None:
+        generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def model_source(name_or_path: str, cache_dir: str | Path | None = None) -> str:
+    """A local folder for a built-in name (converted once), else ``name_or_path`` as given."""
+    key = str(name_or_path)
+    return str(ensure_converted(key.lower(), cache_dir)) if key.lower() in BUILTIN_MODELS else key
 
 
 def load_tokenizer(name_or_path: str, *, cache_dir: str | Path | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer of ``name_or_path`` (built-in names resolved as in ``load_policy``),
     padding on the left with a pad token."""
-    key = str(name_or_path)
-    source = str(ensure_converted(key.lower(), cache_dir)) if key.lower() in BUILTIN_MODELS else key
+    source = model_source(name_or_path, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
@@ -191,17 +194,6 @@ def _is_tied_head(model: PreTrainedModel, key: str) -> bool:
         return False
     output = model.get_output_embeddings()
     return output is not None and key.endswith("lm_head.weight") and output.weight is model.get_input_embeddings().weight
-
-
-def _prepare_for_generation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, source: str) -> None:
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ValueError(f"the tokenizer of {source!r} has neither a pad nor an EOS token; set one")
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None and generation_config.pad_token_id is None:
-        generation_config.pad_token_id = tokenizer.pad_token_id
 
 
 @contextmanager
