@@ -359,9 +359,12 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _update_square_norm(direction: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
-    """||D A||_F^2 through the r x r Gram matrix A A^T: no rows x width tensor is formed."""
-    projection = projection.double()
-    gram = projection @ projection.T
+    """||D A||_F^2 through the r x r Gram matrix A A^T: no rows x width tensor is formed.
+
+    The Gram matrix is computed in float32, which is exact for Rademacher projections (sums
+    of +-1/r) and within float32 round-off for Gaussian ones; the rest runs in float64."""
+    projection = projection.float()
+    gram = (projection @ projection.T).double()
     direction = direction.double()
     return ((direction @ gram) * direction).sum()
 

@@ -127,10 +127,10 @@ class GRPOModule(L.LightningModule):
         input_ids, attention_mask = rollouts.input_ids, rollouts.attention_mask
         mask = rollouts.completion_mask[:, 1:].bool()  # log-prob t scores token t + 1
         rollout_logprobs = rollouts.rollout_logprobs[:, 1:]
-        with torch.no_grad(), memory_phase("backward"):
-            trainer_logprobs = self._logprobs(self.policy, input_ids, attention_mask)
-            reference_logprobs = self._logprobs(self.reference, input_ids, attention_mask) if self.reference is not None else None
-        self._remember(rollouts, mask, rollout_logprobs, trainer_logprobs)
+        reference_logprobs = None
+        if self.reference is not None:
+            with torch.no_grad(), memory_phase("backward"):
+                reference_logprobs = self._logprobs(self.reference, input_ids, attention_mask)
 
         rows, tokens = self._global_counts(mask)
         world = self.trainer.world_size
@@ -138,12 +138,16 @@ class GRPOModule(L.LightningModule):
         optimizer.zero_grad()
         entropy_sum = torch.zeros((), device=self.device)
         stats_sum: dict[str, torch.Tensor] = {}
+        trainer_parts = []
         for start in range(0, input_ids.shape[0], self.micro_batch_size):
             part = slice(start, start + self.micro_batch_size)
             with memory_phase("backward"):
                 logprobs, entropy = self._logprobs(self.policy, input_ids[part], attention_mask[part], entropy=True)
+            # One optimisation pass per rollout batch: the weights that sampled are the ones
+            # computing now, so the "old" log-probs of the PPO ratio are these, detached.
+            trainer_parts.append(logprobs.detach())
             loss, stats = self._loss(
-                logprobs, trainer_logprobs[part], rollout_logprobs[part], advantages[part], mask[part],
+                logprobs, trainer_parts[-1], rollout_logprobs[part], advantages[part], mask[part],
                 None if reference_logprobs is None else reference_logprobs[part],
             )
             # Each part's loss is normalised over its own tokens (rows); reweight so that the
@@ -154,6 +158,8 @@ class GRPOModule(L.LightningModule):
             entropy_sum += (entropy.detach() * mask[part]).sum()
             for key, value in stats.items():
                 stats_sum[key] = stats_sum.get(key, 0) + value * mask[part].sum()
+        trainer_logprobs = torch.cat(trainer_parts)
+        self._remember(rollouts, mask, rollout_logprobs, trainer_logprobs)  # read by LoGRACallback in step()
         optimizer.step()
         scheduler = self.lr_schedulers()
         if scheduler is not None:
@@ -186,7 +192,7 @@ class GRPOModule(L.LightningModule):
         return grpo_loss(logprobs, trainer_logprobs, advantages, mask, aggregation=loss.aggregation, **common)
 
     def _logprobs(self, model, input_ids, attention_mask, entropy: bool = False):
-        """Micro-batched when called without grad (a whole rollout batch), else one call."""
+        """One call with grad (a micro-batch); micro-batched without (a whole rollout batch)."""
         if torch.is_grad_enabled():
             return sequence_logprobs(model, input_ids, attention_mask, temperature=self.rollout_config.temperature,
                                      chunk_size=self.logprob_chunk_size, return_entropy=entropy)
