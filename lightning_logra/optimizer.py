@@ -127,7 +127,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         for state, direction in zip(self.sketches, directions):
             # float64 accumulation without a float64 copy of the weight
             squares[0] += torch.linalg.vector_norm(direction, dtype=torch.float64).square()  # = ||S_hat|| per layer
-            squares[1] += torch.linalg.vector_norm(_local(state.weight), dtype=torch.float64).square()
+            squares[1] += torch.linalg.vector_norm(_local(state.weight), dim=1).double().square().sum()
             squares[2] += _update_square_norm(direction, state.projection)
         if self._weight_group is not None:
             dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self._weight_group)
@@ -165,11 +165,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         for state, direction, (start, stop) in zip(self.sketches, self._prepared.directions, self._rows):
             weight = _local(state.weight)
             scaled, projection = workspace.scaled_and_projection(direction, state.projection, alpha)
-            for row in range(0, stop - start, workspace.chunk):
-                rows = slice(row, min(row + workspace.chunk, stop - start))
-                product = workspace.product[: rows.stop - rows.start, : projection.shape[1]]
-                torch.mm(scaled[rows], projection, out=product)
-                weight[rows] -= product
+            for row in range(0, stop - start, self.config.row_chunk):
+                rows = slice(row, min(row + self.config.row_chunk, stop - start))
+                weight[rows].addmm_(scaled[rows], projection, alpha=-1.0)  # in place: no product tensor
         for state, moment in zip(self.sketches, self._prepared.moments):
             state.second_moment.copy_(moment)
         self.update_count += 1
@@ -321,8 +319,6 @@ class _UpdateWorkspace:
     scaled: torch.Tensor  # rows x rank, compute dtype
     rounded: torch.Tensor  # rows x rank, the update factor dtype (rounding happens on copy)
     projection: torch.Tensor  # rank x width, compute dtype
-    product: torch.Tensor  # chunk x width, compute dtype
-    chunk: int
 
     @classmethod
     def allocate(cls, sketches: SketchSet, rows: list[tuple[int, int]], config: LoGRAConfig) -> _UpdateWorkspace:
@@ -341,8 +337,6 @@ class _UpdateWorkspace:
             scaled=torch.empty(most_rows, rank, dtype=compute, device=device),
             rounded=torch.empty(most_rows, rank, dtype=factor, device=device),
             projection=torch.empty(rank, widest, dtype=compute, device=device),
-            product=torch.empty(min(config.row_chunk, most_rows), widest, dtype=compute, device=device),
-            chunk=config.row_chunk,
         )
 
     def scaled_and_projection(self, direction: torch.Tensor, projection: torch.Tensor, alpha: float):

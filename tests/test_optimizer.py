@@ -64,7 +64,8 @@ def test_proposed_update_has_norm_update_ratio_times_weight_norm():
     update_norm = math.sqrt(
         sum((d.double() @ s.projection.double()).pow(2).sum().item() for d, s in zip(prepared.directions, optimizer.sketches))
     )
-    assert math.isclose(prepared.weight_norm, weight_norm, rel_tol=1e-12)
+    # row norms in float32 (float32 round-off), summed in float64
+    assert math.isclose(prepared.weight_norm, weight_norm, rel_tol=1e-7)
     assert math.isclose(update_norm, 1e-3 * weight_norm, rel_tol=1e-6)
     assert math.isclose(prepared.update_norm, update_norm, rel_tol=1e-6)
 
@@ -81,7 +82,8 @@ def test_applied_update_is_w_minus_alpha_d_a(factor_dtype):
     optimizer.step(alpha=2.5)
     for w, d, a, after in zip(before, directions, projections, weights(optimizer)):
         scaled = (2.5 * d).to(getattr(torch, factor_dtype)).float()
-        torch.testing.assert_close(after, w - scaled @ a, rtol=0, atol=0)
+        # W - (alpha D) A, fused into one rounding per entry (addmm) instead of two
+        torch.testing.assert_close(after, torch.addmm(w, scaled, a, alpha=-1.0), rtol=0, atol=0)
         assert not torch.equal(after, w)
     assert optimizer.update_count == 1
     for state, old in zip(optimizer.sketches, projections):
