@@ -60,3 +60,18 @@ def run_on_two_ranks(function, *args) -> list:
 def run_lightning_on_two_ranks(function, *args) -> list:
     """Like run_on_two_ranks, for functions that build a Trainer or Fabric with devices=2."""
     return _run(True, function, args)
+
+
+# Set by Lightning in this process when a test builds a Trainer in-process; a child
+# process that inherited them would try to serve the same rendezvous port.
+RENDEZVOUS_VARIABLES = (
+    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+    "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+)
+
+
+def child_environment(**overrides: str) -> dict[str, str]:
+    """This process's environment for a fresh `logra` subprocess."""
+    environment = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES}
+    environment.update(overrides)
+    return environment

@@ -1,6 +1,5 @@
 """The `logra` command: configs, overrides, --print_config, and the MLflow run."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +8,7 @@ import mlflow
 import pytest
 
 from lightning_logra.cli import main
+from tests.distributed import child_environment
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = """
@@ -52,7 +52,7 @@ def config_file(tmp_path, monkeypatch):
 
 
 def test_logra_fit_runs_and_the_mlflow_run_is_readable(config_file, tmp_path):
-    environment = {**os.environ, "PYTHONPATH": str(REPO), "MLFLOW_TRACKING_URI": ""}
+    environment = child_environment(PYTHONPATH=str(REPO), MLFLOW_TRACKING_URI="")
     command = [str(Path(sys.executable).parent / "logra"), "fit", "-c", str(config_file), "--trainer.max_steps=2"]
     completed = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]

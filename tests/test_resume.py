@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.data import PromptDataModule
 from lightning_logra.modules import LossConfig, OptimizerConfig, RolloutConfig
-from tests.distributed import run_lightning_on_two_ranks
+from tests.distributed import child_environment, run_lightning_on_two_ranks
 from tests.resume_helpers import RecordingGRPO
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ data:
 def logra_fit(root, model, *extra):
     config = root / "config.yaml"
     config.write_text(CONFIG.format(root=root, model=model, reward=REWARD))
-    environment = {**os.environ, "PYTHONPATH": str(REPO)}
+    environment = child_environment(PYTHONPATH=str(REPO))
     command = [str(Path(sys.executable).parent / "logra"), "fit", "-c", str(config), *extra]
     return subprocess.Popen(command, cwd=root, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
