@@ -230,6 +230,30 @@ class LoGRARuntime:
         return self.optimizer
 
 
+class LoGRAStrategyMixin:
+    """What both strategy classes add to their Lightning base: the LoGRA configuration and
+    runtime, data-parallel-only sizing, and FSDP2 sharding of the policy."""
+
+    def _init_logra(self, logra: LoGRAConfig | None, train_non_targets: bool, layer_classes: list[str] | None) -> None:
+        self.logra_config = logra if logra is not None else LoGRAConfig()
+        self.layer_classes = layer_classes
+        self.runtime = LoGRARuntime(self.logra_config, train_non_targets=train_non_targets)
+
+    @property
+    def logra_optimizer(self) -> LoGRAOptimizer | None:
+        return self.runtime.optimizer
+
+    def setup_environment(self) -> None:
+        # Data-parallel only: every process is one FSDP2 shard.
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    def _shard(self, module: nn.Module, mesh: Any) -> nn.Module:
+        policy = policy_module(module, self.logra_config.target_modules)
+        shard_policy(policy, mesh["data_parallel"], self.logra_config.target_modules, self.layer_classes)
+        return module
+
+
 def normalization_tokens_of(module: nn.Module) -> float:
     """``module.logra_normalization_tokens()`` if defined (sum-over-tokens losses), else 1."""
     if hasattr(module, "logra_normalization_tokens"):

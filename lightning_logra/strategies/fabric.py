@@ -20,19 +20,13 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
 
 from lightning_logra.config import LoGRAConfig
-from lightning_logra.strategies.engine import (
-    LoGRARuntime,
-    compute_dtype_for,
-    normalization_tokens_of,
-    policy_module,
-    shard_policy,
-)
+from lightning_logra.strategies.engine import LoGRAStrategyMixin, compute_dtype_for, normalization_tokens_of
 
 LOGRA_FOLDER = "logra"
 LOGRA_METADATA = "logra_meta.pt"
 
 
-class LoGRAFabricStrategy(ModelParallelStrategy):
+class LoGRAFabricStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
     def __init__(
         self,
         logra: LoGRAConfig | None = None,
@@ -43,31 +37,16 @@ class LoGRAFabricStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         super().__init__(
-            parallelize_fn=self._parallelize,
+            parallelize_fn=self._shard,
             data_parallel_size="auto",
             tensor_parallel_size=1,
             save_distributed_checkpoint=True,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.logra_config = logra if logra is not None else LoGRAConfig()
-        self.layer_classes = layer_classes
-        self.runtime = LoGRARuntime(self.logra_config, train_non_targets=train_non_targets)
+        self._init_logra(logra, train_non_targets, layer_classes)
         self.runtime.controller = kl_controller
         self._module: nn.Module | None = None
-
-    @property
-    def logra_optimizer(self):
-        return self.runtime.optimizer
-
-    def setup_environment(self) -> None:
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        super().setup_environment()
-
-    def _parallelize(self, module: nn.Module, mesh: Any) -> nn.Module:
-        policy = policy_module(module, self.logra_config.target_modules)
-        shard_policy(policy, mesh["data_parallel"], self.logra_config.target_modules, self.layer_classes)
-        return module
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         compute_dtype = compute_dtype_for(self.precision.precision)

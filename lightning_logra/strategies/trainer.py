@@ -18,19 +18,13 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_logra.config import LoGRAConfig
-from lightning_logra.strategies.engine import (
-    LoGRARuntime,
-    compute_dtype_for,
-    normalization_tokens_of,
-    policy_module,
-    shard_policy,
-)
+from lightning_logra.strategies.engine import LoGRAStrategyMixin, compute_dtype_for, normalization_tokens_of
 
 
 PARTIAL_SUFFIX = ".partial"
 
 
-class LoGRAFSDPStrategy(ModelParallelStrategy):
+class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
     """FSDP2 (row-sharded float32 weights), data-parallel only, with LoGRA on the targets.
 
     Optimizer contract: keep your ``configure_optimizers``. The target weights (``logra.
@@ -60,26 +54,14 @@ class LoGRAFSDPStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.logra_config = logra if logra is not None else LoGRAConfig()
-        self.layer_classes = layer_classes
-        self.runtime = LoGRARuntime(self.logra_config, train_non_targets=train_non_targets)
-
-    @property
-    def logra_optimizer(self):
-        return self.runtime.optimizer
-
-    def setup_environment(self) -> None:
-        # Data-parallel only: every process is one FSDP2 shard.
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        super().setup_environment()
+        self._init_logra(logra, train_non_targets, layer_classes)
 
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         compute_dtype = compute_dtype_for(trainer.precision)
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        policy = policy_module(module, self.logra_config.target_modules)
-        shard_policy(policy, self.device_mesh["data_parallel"], self.logra_config.target_modules, self.layer_classes)
+        self._shard(module, self.device_mesh)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
