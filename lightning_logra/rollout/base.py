@@ -42,6 +42,11 @@ class RolloutEngine(Protocol):
         ...
 
 
+def check_request(prompts: list[str], num_generations: int) -> None:
+    if not prompts or num_generations < 1:
+        raise ValueError(f"need prompts and num_generations >= 1, got {len(prompts)} prompts, {num_generations}")
+
+
 def pack_rollouts(
     prompt_ids: list[list[int]],
     completion_ids: list[list[int]],

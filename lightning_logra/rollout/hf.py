@@ -7,7 +7,7 @@ generated token) until it returns. At scale use the vLLM engine.
 import torch
 from torch import nn
 
-from lightning_logra.rollout.base import Rollouts, pack_rollouts
+from lightning_logra.rollout.base import Rollouts, check_request, pack_rollouts
 
 
 class HFRolloutEngine:
@@ -63,8 +63,7 @@ class HFRolloutEngine:
         top_p: float | None = None,
     ) -> Rollouts:
         """Sample; ``temperature``/``top_p`` override the engine's for this call (validation)."""
-        if not prompts or num_generations < 1:
-            raise ValueError(f"need prompts and num_generations >= 1, got {len(prompts)} prompts, {num_generations}")
+        check_request(prompts, num_generations)
         temperature = self.temperature if temperature is None else temperature
         top_p = self.top_p if top_p is None else top_p
         encoded = self.tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")

@@ -9,7 +9,7 @@ to sleep after each generation.
 import torch
 from torch import nn
 
-from lightning_logra.rollout.base import Rollouts, pack_rollouts
+from lightning_logra.rollout.base import Rollouts, check_request, pack_rollouts
 
 # Wrapper components that torch adds to parameter names; vLLM expects the HF checkpoint names.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
@@ -89,8 +89,7 @@ class VLLMRolloutEngine:
         top_p: float | None = None,
     ) -> Rollouts:
         """Sample; ``temperature``/``top_p`` override the engine's for this call (validation)."""
-        if not prompts or num_generations < 1:
-            raise ValueError(f"need prompts and num_generations >= 1, got {len(prompts)} prompts, {num_generations}")
+        check_request(prompts, num_generations)
         if not self._weights_current:
             raise RuntimeError("vLLM's weights were discarded in sleep (sleep_level=2): call sync_weights first")
         from vllm import SamplingParams
