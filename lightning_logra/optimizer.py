@@ -260,10 +260,15 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 make_projection(rank, width, seed, device=state.projection.device, dtype=state.projection.dtype, distribution=self.config.distribution)
             )
 
-    def _check_backward_reached(self, group: dist.ProcessGroup | None) -> None:
+    def backward_calls(self, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """Backward passes that reached each target since the last step, summed over ``group``."""
         calls = torch.tensor([state.backward_calls for state in self.sketches], dtype=torch.float64, device=self.sketches.buffer.device)
         if group is not None:
             dist.all_reduce(calls, op=dist.ReduceOp.SUM, group=group)
+        return calls
+
+    def _check_backward_reached(self, group: dist.ProcessGroup | None) -> None:
+        calls = self.backward_calls(group)
         if not calls.any():
             raise RuntimeError(
                 "prepare_update() found no backward pass since the last step or zero_grad(): "

@@ -115,16 +115,20 @@ def _sketch_hook(state: SketchState):
     return hook
 
 
+def is_target_name(name: str, target_modules: list[str] | tuple[str, ...]) -> bool:
+    """A module is a target when the last component of its qualified name is listed."""
+    return name.rsplit(".", 1)[-1] in target_modules
+
+
 def find_targets(model: nn.Module, target_modules: list[str] | tuple[str, ...]) -> list[tuple[str, nn.Linear]]:
     """The (canonical name, module) of every target, in module order.
 
     A target must be a dense ``nn.Linear``; anything else matching a target name is a
     ``TypeError``. No match at all is a ``ValueError``.
     """
-    wanted = set(target_modules)
     found: list[tuple[str, nn.Linear]] = []
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] not in wanted:
+        if not is_target_name(name, target_modules):
             continue
         if not isinstance(module, nn.Linear):
             raise TypeError(

@@ -54,7 +54,6 @@ class LoGRACallback(Callback):
         self._metrics: dict[str, float] = {}
         self._probe: dict[str, torch.Tensor] | None = None
         self._logits_before: torch.Tensor | None = None
-        self._scaled_prediction = 0.0
         self._state_mib: tuple[float, float] | None = None
 
     # Lightning hooks ------------------------------------------------------------------
@@ -98,12 +97,11 @@ class LoGRACallback(Callback):
             distributed=dist.is_available() and dist.is_initialized(),
         )
         alpha = kl_step_scale(prediction, budget=budget, alpha_max=config.alpha_max)
-        self._scaled_prediction = alpha**2 * prediction
         if self.measure_kl:
             self._logits_before = _probe_logits(policy, self._probe)
         self._metrics = {
             "logra/predicted_kl": prediction,
-            "logra/predicted_kl_scaled": self._scaled_prediction,
+            "logra/predicted_kl_scaled": alpha**2 * prediction,
             "logra/alpha": alpha,
             "logra/budget": budget,
             "logra/mismatch": optimizer.mismatch,

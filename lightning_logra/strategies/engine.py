@@ -16,7 +16,7 @@ from torch import nn
 from lightning_logra.config import LoGRAConfig
 from lightning_logra.optimizer import LoGRAOptimizer
 from lightning_logra.reliability import memory_phase, verify_ranks_agree
-from lightning_logra.sketch import find_targets
+from lightning_logra.sketch import is_target_name
 
 REFUSED_PRECISIONS = ("16-mixed", "16", "16-true", "transformer-engine", "transformer-engine-float16")
 
@@ -69,8 +69,7 @@ def shard_policy(policy: nn.Module, mesh: Any, target_modules: list[str], layer_
 
 def _holds_target(name: str, module: nn.Module, target_modules: list[str]) -> bool:
     """Whether the child ``name`` is a target or contains one."""
-    wanted = set(target_modules)
-    return any((sub or name).rsplit(".", 1)[-1] in wanted for sub, _ in module.named_modules())
+    return any(is_target_name(sub or name, target_modules) for sub, _ in module.named_modules())
 
 
 def compute_dtype_for(precision: str) -> torch.dtype | None:
@@ -101,15 +100,11 @@ class LoGRARuntime:
 
     def install(self, root: nn.Module, *, compute_dtype: torch.dtype | None) -> LoGRAOptimizer:
         self.policy = policy_module(root, self.config.target_modules)
-        find_targets(self.policy, self.config.target_modules)  # clear error before anything changes
-        frozen = [p for p in root.parameters() if not p.requires_grad]
+        # Freezes the targets only (after checking them, before changing anything).
         self.optimizer = LoGRAOptimizer(self.policy, self.config, compute_dtype=compute_dtype, freeze_non_targets=False)
         verify_ranks_agree(self.optimizer.sketches, self.config.to_dict())
         if not self.train_non_targets:
             for parameter in root.parameters():
-                parameter.requires_grad_(False)
-        else:
-            for parameter in frozen:  # keep the user's own freezing
                 parameter.requires_grad_(False)
         return self.optimizer
 
@@ -183,13 +178,8 @@ class LoGRARuntime:
         warnings.warn(f"LoGRA skipped a step ({self.skipped_steps} so far, no weight changed): {error}", stacklevel=3)
 
     def any_backward(self, process_group: dist.ProcessGroup | None) -> bool:
-        calls = torch.tensor(
-            [float(sum(state.backward_calls for state in self._require_optimizer().sketches))],
-            device=self._require_optimizer().sketches.buffer.device,
-        )
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(calls, group=process_group)
-        return bool(calls.item() > 0)
+        distributed = dist.is_available() and dist.is_initialized()
+        return bool(self._require_optimizer().backward_calls(process_group if distributed else None).any())
 
     # Checkpoints: tensors (row moments may be DTensors) go through torch.distributed.checkpoint;
     # the configuration goes into the rank-0 metadata so that a mismatch is caught first.
