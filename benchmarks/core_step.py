@@ -45,6 +45,9 @@ from torch import nn
 
 from lightning_logra import LoGRAConfig, LoGRAOptimizer, memory_report
 
+sys.path.insert(0, str(Path(__file__).parent))
+from model_shapes import QWEN_SHAPES  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 PIECES = ("forward", "backward", "prepare_update", "step")
 MODES = ("logra", "dense")
@@ -350,19 +353,12 @@ def profile_shape(shape: Shape, runners: dict, log) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------- memory
-QWEN_SHAPES = {
-    "Qwen2.5-1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-}
-
-
 def memory_rows(world_sizes=(1, 8)) -> list[dict]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     rows = []
-    for name, sizes in QWEN_SHAPES.items():
+    for name in ("Qwen2.5-1.5B", "Qwen2.5-7B"):
+        sizes = QWEN_SHAPES[name]
         config = Qwen2Config(**sizes)
         with torch.device("meta"):
             model = Qwen2ForCausalLM(config)

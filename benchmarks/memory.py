@@ -1,23 +1,34 @@
 """Training memory of one RL step: dense AdamW vs LoRA r=256 vs LoGRA r=256.
 
 Each mode runs in its own fresh process. One step = 2 micro-batches of 2,048 tokens
-(forward with chunked token log-probs, a policy-gradient loss, backward with activation
-checkpointing) then the optimizer step; for LoGRA also the KL probe on the two sequences.
-Rollout generation is excluded. The model is fixed before measuring: a random-init Qwen2
-architecture, hidden 1024, intermediate 2816, 8 layers, 16 heads, 4 KV heads, vocabulary
-32000, untied embeddings (about 156M parameters), float32.
+(forward with chunked, checkpointed token log-probs, a policy-gradient loss, backward with
+activation checkpointing) then the optimizer step; for LoGRA also the KL probe on the two
+sequences. Rollout generation is excluded. The model is fixed before measuring
+(``model_shapes.BENCH_156M``): a random-init Qwen2, hidden 1024, intermediate 2816, 8
+layers, 16 heads, 4 KV heads, vocabulary 32000, untied embeddings (155.7M parameters),
+float32.
 
 Training memory (CPU) = the process's peak RSS minus its RSS just before the model is
-built. The breakdown counts tensor bytes: weights, gradients, optimizer state, LoGRA state;
-activations and other temporaries are the rest of the peak.
+built. Children run with ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns every
+freed tensor to the system: peak RSS then tracks live tensors, as
+``torch.cuda.max_memory_allocated`` does on a GPU, instead of whatever the heap kept
+after earlier frees (``--glibc-default`` measures with glibc's adaptive threshold). The
+breakdown counts tensor bytes: weights, gradients, optimizer state, LoGRA state;
+activations and other temporaries are the rest of the peak. Step seconds are printed for
+orientation only: this allocator setting slows large allocations (speed: ``speed.py``).
 
-    python benchmarks/memory.py            # all three modes, writes results/memory.{json,md,png}
+The second part is analytic: LoGRA's per-rank state (``memory_report``) for Qwen2.5-1.5B,
+7B, 14B and a 27B-class config at world sizes 1 and 8, built on the meta device, beside
+the reference's replicated float32 layout and dense AdamW's gradient + moments.
+
+    python benchmarks/memory.py    # writes results/memory.{json,md,png}
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import subprocess
@@ -26,12 +37,14 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from model_shapes import BENCH_156M, QWEN_SHAPES  # noqa: E402
+
 RESULTS = Path(__file__).parent / "results"
 MODES = ("dense", "lora", "logra")
 MIB = 2**20
-CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-              num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False)
 TOKENS, MICRO_BATCHES, RANK = 2048, 2, 256
+TARGETS = {"dense": 0.40, "lora": 0.50}  # LoGRA / mode
 
 
 def rss_mib() -> float:
@@ -47,7 +60,7 @@ def tensor_mib(tensors) -> float:
     return sum(t.numel() * t.element_size() for t in tensors) / MIB
 
 
-def run_mode(mode: str) -> dict:
+def run_mode(mode: str, logprob_chunk: int) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -56,11 +69,11 @@ def run_mode(mode: str) -> dict:
 
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, CONFIG["vocab_size"], (1, TOKENS), generator=generator) for _ in range(MICRO_BATCHES)]
+    batches = [torch.randint(0, BENCH_156M["vocab_size"], (1, TOKENS), generator=generator) for _ in range(MICRO_BATCHES)]
     advantages = torch.randn(MICRO_BATCHES, generator=generator)
     baseline = rss_mib()
 
-    model = Qwen2ForCausalLM(Qwen2Config(**CONFIG))
+    model = Qwen2ForCausalLM(Qwen2Config(**BENCH_156M))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     logra = None
@@ -76,10 +89,11 @@ def run_mode(mode: str) -> dict:
     started = time.perf_counter()
     for batch, advantage in zip(batches, advantages):
         mask = torch.ones_like(batch)
-        logprobs = sequence_logprobs(model, batch, mask, chunk_size=1024)
+        logprobs = sequence_logprobs(model, batch, mask, chunk_size=logprob_chunk)
         loss = -(advantage * logprobs).mean() / MICRO_BATCHES  # REINFORCE-shaped loss
         loss.backward()
     gradients = tensor_mib(p.grad for p in model.parameters() if p.grad is not None)
+    phases = {"forward_backward": peak_rss_mib() - baseline}
     if logra is None:
         optimizer.step()
         optimizer_state = tensor_mib(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
@@ -90,18 +104,21 @@ def run_mode(mode: str) -> dict:
         logits_mask = torch.ones_like(input_ids, dtype=torch.bool)
         logits_mask[:, -1] = False
         prediction = probe_predicted_kl(model, logra.probe_layers(), input_ids, torch.ones_like(input_ids), logits_mask)
+        phases["kl_probe"] = peak_rss_mib() - baseline
         logra.step(alpha=kl_step_scale(prediction, budget=2e-4))
         optimizer_state = 0.0
         logra_state = tensor_mib([logra.sketches.buffer] + [s.projection for s in logra.sketches] + [s.second_moment for s in logra.sketches])
     seconds = time.perf_counter() - started
     weights = tensor_mib(model.parameters())
     peak = peak_rss_mib() - baseline
+    phases["step"] = peak
     return {
         "mode": mode,
         "parameters": sum(p.numel() for p in model.parameters()),
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)
         if logra is None else sum(s.weight.numel() for s in logra.sketches),
         "training_memory_mib": peak,
+        "peak_after_mib": phases,
         "breakdown_mib": {
             "weights": weights,
             "gradients": gradients,
@@ -113,28 +130,64 @@ def run_mode(mode: str) -> dict:
     }
 
 
+def analytic_rows(world_sizes=(1, 8)) -> list[dict]:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lightning_logra import memory_report
+
+    rows = []
+    for name, shape in QWEN_SHAPES.items():
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(Qwen2Config(**shape))
+        parameters = sum(p.numel() for p in model.parameters())
+        for world in world_sizes:
+            rows.append({"model": name, "parameters": parameters, **memory_report(model, world_size=world).as_dict()})
+        del model
+    return rows
+
+
 def render(result: dict) -> str:
-    rows = {row["mode"]: row for row in result["modes"]}
-    lines = [
-        "| mode | training memory MiB | weights | gradients | optimizer state | LoGRA state | activations + temporaries | step s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for mode in MODES:
-        row = rows[mode]
-        b = row["breakdown_mib"]
-        lines.append(
-            f"| {mode} | {row['training_memory_mib']:,.0f} | {b['weights']:,.0f} | {b['gradients']:,.0f} | "
-            f"{b['optimizer_state']:,.0f} | {b['logra_state']:,.0f} | {b['activations_and_temporaries']:,.0f} | {row['step_seconds']:.1f} |"
-        )
-    logra = rows["logra"]["training_memory_mib"]
+    lines = []
+    for run in result["runs"]:
+        rows = {row["mode"]: row for row in run["modes"]}
+        lines += [
+            f"### Log-prob chunk {run['logprob_chunk']} positions"
+            + (" (the library default)" if run["logprob_chunk"] == result["library_logprob_chunk"] else ""),
+            "",
+            "| mode | training memory MiB | weights | gradients | optimizer state | LoGRA state | activations + temporaries | peak before optimizer / probe | step s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for mode in MODES:
+            row = rows[mode]
+            b = row["breakdown_mib"]
+            lines.append(
+                f"| {mode} | {row['training_memory_mib']:,.0f} | {b['weights']:,.0f} | {b['gradients']:,.0f} | "
+                f"{b['optimizer_state']:,.0f} | {b['logra_state']:,.0f} | {b['activations_and_temporaries']:,.0f} | "
+                f"{row['peak_after_mib']['forward_backward']:,.0f} | {row['step_seconds']:.1f} |"
+            )
+        logra = rows["logra"]["training_memory_mib"]
+        verdicts = []
+        for mode, target in TARGETS.items():
+            ratio = logra / rows[mode]["training_memory_mib"]
+            verdicts.append(f"LoGRA / {'dense AdamW' if mode == 'dense' else 'LoRA-r256'} = **{ratio:.3f}** "
+                            f"(target <= {target:.2f}: {'met' if ratio <= target else 'missed'})")
+        probe = rows["logra"]["peak_after_mib"]
+        lines += ["", "; ".join(verdicts) + ".",
+                  f"LoGRA's peak before the KL probe was {probe['forward_backward']:,.0f} MiB, after it {probe['kl_probe']:,.0f} MiB.", ""]
+    m = result["machine"]
     lines += [
+        f"Machine: {m['processor']}, {m['cpus']} CPUs, torch {m['torch']}, {m['date_utc']}, allocator: {result['allocator']}; "
+        f"model {result['model']}; {MICRO_BATCHES} x {TOKENS} tokens, rank {RANK}, activation checkpointing in every mode.",
         "",
-        f"LoGRA / dense AdamW = {logra / rows['dense']['training_memory_mib']:.3f} (target <= 0.40); "
-        f"LoGRA / LoRA-r256 = {logra / rows['lora']['training_memory_mib']:.3f} (target <= 0.50).",
+        "### Analytic per-rank state (meta device, `memory_report`, rank 256, bf16 compute)",
         "",
-        f"Machine: {result['machine']['processor']}, {result['machine']['cpus']} CPUs, torch {result['machine']['torch']}, "
-        f"{result['machine']['date_utc']}; model {CONFIG}; {MICRO_BATCHES} x {TOKENS} tokens.",
+        "| model | parameters | world | LoGRA state GiB | reference layout GiB | dense AdamW grad + moments GiB |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
+    for row in result["analytic"]:
+        lines.append(f"| {row['model']} | {row['parameters'] / 1e9:.2f}B | {row['world_size']} | {row['logra_state_bytes'] / 2**30:.3f} | "
+                     f"{row['reference_bytes'] / 2**30:.3f} | {row['dense_adamw_bytes'] / 2**30:.2f} |")
     return "\n".join(lines)
 
 
@@ -145,46 +198,87 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     parts = ("weights", "gradients", "optimizer_state", "logra_state", "activations_and_temporaries")
-    rows = {row["mode"]: row for row in result["modes"]}
-    figure, axis = plt.subplots(figsize=(7, 4))
+    run = next(r for r in result["runs"] if r["logprob_chunk"] == result["library_logprob_chunk"])
+    rows = {row["mode"]: row for row in run["modes"]}
+    figure, (measured, analytic) = plt.subplots(1, 2, figsize=(12, 4.2))
     bottom = [0.0] * len(MODES)
     for part in parts:
         values = [rows[mode]["breakdown_mib"][part] / 1024 for mode in MODES]
-        axis.bar(MODES, values, bottom=bottom, label=part.replace("_", " "))
+        measured.bar(MODES, values, bottom=bottom, label=part.replace("_", " "))
         bottom = [b + v for b, v in zip(bottom, values)]
-    axis.set_ylabel("GiB (peak RSS above the pre-model baseline)")
-    axis.set_title(f"One RL step, 156M Qwen2 config, {MICRO_BATCHES} x {TOKENS} tokens (CPU, {result['machine']['date_utc'][:10]})")
-    axis.legend(fontsize=8)
+    measured.set_ylabel("GiB (peak RSS above the pre-model baseline)")
+    measured.set_title(f"One RL step, 156M Qwen2, {MICRO_BATCHES} x {TOKENS} tokens\n"
+                       f"CPU ({result['machine']['cpus']} cores), {result['machine']['date_utc'][:10]}, python benchmarks/memory.py", fontsize=9)
+    measured.legend(fontsize=8)
+    names = list(QWEN_SHAPES)
+    width = 0.27
+    for offset, (key, label) in enumerate([("logra_state_bytes", "LoGRA state"), ("reference_bytes", "reference layout"),
+                                           ("dense_adamw_bytes", "dense AdamW grad + moments")]):
+        values = [next(r[key] for r in result["analytic"] if r["model"] == n and r["world_size"] == 1) / 2**30 for n in names]
+        analytic.bar([i + (offset - 1) * width for i in range(len(names))], values, width, label=label)
+    analytic.set_yscale("log")
+    analytic.set_xticks(range(len(names)), names, fontsize=8)
+    analytic.set_ylabel("GiB per rank (world size 1, log scale)")
+    analytic.set_title("Analytic optimizer-side state, rank 256 (meta device)", fontsize=9)
+    analytic.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    figure.savefig(path, dpi=90)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=MODES, help="run one mode in this process and print its JSON")
+    parser.add_argument("--logprob-chunks", default=None,
+                        help="comma-separated log-prob chunk sizes to measure (default: the library default, then 1024)")
+    parser.add_argument("--glibc-default", action="store_true", help="keep glibc's adaptive mmap threshold")
+    parser.add_argument("--render", type=Path, metavar="JSON", help="only redraw .md/.png from a results file")
     args = parser.parse_args()
-    if args.mode:
-        print(json.dumps(run_mode(args.mode)))
-        return
-    import torch
+    from lightning_logra.modules.logprobs import DEFAULT_CHUNK_SIZE
 
-    modes = []
-    for mode in MODES:
-        completed = subprocess.run([sys.executable, __file__, "--mode", mode], capture_output=True, text=True, check=True)
-        modes.append(json.loads(completed.stdout.strip().splitlines()[-1]))
-        print(f"{mode}: {modes[-1]['training_memory_mib']:,.0f} MiB", flush=True)
-    result = {
-        "benchmark": "training memory of one RL step (rollout excluded), each mode in a fresh process",
-        "machine": {"processor": platform.processor() or platform.machine(), "cpus": __import__("os").cpu_count(),
-                    "torch": torch.__version__, "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")},
-        "model": CONFIG, "tokens_per_micro_batch": TOKENS, "micro_batches": MICRO_BATCHES, "rank": RANK,
-        "modes": modes,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "memory.json").write_text(json.dumps(result, indent=1))
+    if args.mode:
+        print(json.dumps(run_mode(args.mode, int(args.logprob_chunks or DEFAULT_CHUNK_SIZE))))
+        return
+    if args.render:
+        result = json.loads(args.render.read_text())
+    else:
+        result = measure(args, DEFAULT_CHUNK_SIZE)
     (RESULTS / "memory.md").write_text(render(result) + "\n")
     plot(result, RESULTS / "memory.png")
     print(render(result))
+
+
+def measure(args, default_chunk: int) -> dict:
+    import torch
+
+    chunks = [int(c) for c in args.logprob_chunks.split(",")] if args.logprob_chunks else [default_chunk, 1024]
+    environment = dict(os.environ)
+    if not args.glibc_default:
+        environment["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    runs = []
+    for chunk in dict.fromkeys(chunks):
+        modes = []
+        for mode in MODES:
+            completed = subprocess.run([sys.executable, __file__, "--mode", mode, "--logprob-chunks", str(chunk)],
+                                       capture_output=True, text=True, env=environment)
+            if completed.returncode != 0:
+                raise SystemExit(f"mode {mode} (chunk {chunk}) failed:\n{completed.stderr[-3000:]}")
+            modes.append(json.loads(completed.stdout.strip().splitlines()[-1]))
+            print(f"chunk {chunk} {mode}: {modes[-1]['training_memory_mib']:,.0f} MiB", flush=True)
+        runs.append({"logprob_chunk": chunk, "modes": modes})
+    result = {
+        "benchmark": "training memory of one RL step (rollout excluded), each mode in a fresh process",
+        "command": "python benchmarks/memory.py " + " ".join(sys.argv[1:]),
+        "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                    "torch": torch.__version__, "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+        "allocator": "glibc default" if args.glibc_default else "glibc, MALLOC_MMAP_THRESHOLD_=65536",
+        "model": BENCH_156M, "tokens_per_micro_batch": TOKENS, "micro_batches": MICRO_BATCHES, "rank": RANK,
+        "library_logprob_chunk": default_chunk,
+        "runs": runs,
+        "analytic": analytic_rows(),
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "memory.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 if __name__ == "__main__":

@@ -18,17 +18,19 @@ import torch.autograd.forward_ad as fwAD
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_logra.config import LoGRAConfig
 
 
 def kl_per_position(logits: torch.Tensor, tangent: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
     """0.5 * sum_v p_v (u_v - E_p[u])^2 per position, in float64 (last dim = vocabulary)."""
-    scaled = logits.to(torch.float64) / temperature
-    u = tangent.to(torch.float64) / temperature
-    p = torch.softmax(scaled, dim=-1)
-    centred = u - (p * u).sum(dim=-1, keepdim=True)
-    return 0.5 * (p * centred.square()).sum(dim=-1)
+    # In place on float64 copies: this runs on (positions x vocabulary) blocks, where each
+    # extra temporary is as large as the block itself.
+    p = torch.softmax(logits.to(torch.float64) / temperature, dim=-1)
+    u = tangent.to(torch.float64, copy=True).div_(temperature)
+    mean = torch.linalg.vecdot(p, u).unsqueeze(-1)
+    return 0.5 * torch.linalg.vecdot(p, u.sub_(mean).square_())
 
 
 def predicted_kl(
@@ -132,7 +134,7 @@ def probe_predicted_kl(
     *,
     temperature: float = 1.0,
     max_tokens: int | None = None,
-    position_chunk: int = 256,
+    position_chunk: int = 128,
     process_group: dist.ProcessGroup | None = None,
     distributed: bool = False,
     position_ids: torch.Tensor | None = None,
@@ -141,19 +143,28 @@ def probe_predicted_kl(
 
     ``logits_mask`` marks the logit positions to score: position t is the distribution
     that generated token t+1, so for generated tokens it is the completion mask shifted
-    left by one. Sequences are truncated to ``max_tokens``. Full-vocabulary logits exist
-    for ``position_chunk`` positions at a time when the model exposes its output head
+    left by one. Sequences are truncated to ``max_tokens``. The probe runs one sequence
+    per forward, and SDPA attention in blocks of ``position_chunk`` queries, so neither the
+    batch nor a (length x length) score matrix multiplies the memory of forward AD, which
+    keeps a primal and a tangent of every activation. Full-vocabulary logits exist for
+    ``position_chunk`` positions at a time when the model exposes its output head
     (``get_output_embeddings``). With ``distributed``, the sum and count are all-reduced
-    over ``process_group`` and every rank returns the global mean. ``position_ids``, when
+    over ``process_group`` and every rank returns the global mean; ranks run the same
+    number of forwards (sharded models gather weights in each). ``position_ids``, when
     given, are passed to the model (left-padded rows scored as they were generated).
     """
     if max_tokens is not None:
         input_ids, attention_mask, logits_mask = (t[:, :max_tokens] for t in (input_ids, attention_mask, logits_mask))
         position_ids = position_ids[:, :max_tokens] if position_ids is not None else None
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-    if position_ids is not None:
-        inputs["position_ids"] = position_ids
     logits_mask = logits_mask.to(torch.bool)
+    rows = input_ids.shape[0]
+    if rows == 0:
+        raise ValueError("the KL probe needs at least one sequence")
+    forwards = rows
+    if distributed:
+        count = torch.tensor([rows], device=input_ids.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=process_group)
+        forwards = int(count.item())
     totals = torch.zeros(2, dtype=torch.float64, device=input_ids.device)  # (sum of KL, positions)
 
     def accumulate(logits: torch.Tensor) -> None:
@@ -164,15 +175,25 @@ def probe_predicted_kl(
         totals[1] += primal.shape[0]
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    with _probe_mode(model), fwAD.dual_level():
+    with _probe_mode(model, position_chunk), fwAD.dual_level():
         handles = [layer.module.register_forward_hook(_tangent_hook(layer)) for layer in layers]
         try:
-            if isinstance(head, nn.Linear):
-                handles.append(head.register_forward_pre_hook(_chunked_head_hook(logits_mask, position_chunk, accumulate)))
-                model(**inputs)
-            else:
-                output = model(**inputs)
-                accumulate((output.logits if hasattr(output, "logits") else output)[logits_mask])
+            for index in range(forwards):
+                # A rank with fewer sequences repeats its last one, scoring nothing.
+                row = slice(min(index, rows - 1), min(index, rows - 1) + 1)
+                scored = logits_mask[row] if index < rows else torch.zeros_like(logits_mask[row])
+                inputs = {"input_ids": input_ids[row], "attention_mask": attention_mask[row]}
+                if position_ids is not None:
+                    inputs["position_ids"] = position_ids[row]
+                if isinstance(head, nn.Linear):
+                    head_hook = head.register_forward_pre_hook(_chunked_head_hook(scored, position_chunk, accumulate))
+                    try:
+                        model(**inputs)
+                    finally:
+                        head_hook.remove()
+                else:
+                    output = model(**inputs)
+                    accumulate((output.logits if hasattr(output, "logits") else output)[scored])
         finally:
             for handle in handles:
                 handle.remove()
@@ -186,10 +207,16 @@ def _tangent_hook(layer: ProbeLayer):
         inputs = fwAD.unpack_dual(args[0]).primal
         dtype = inputs.dtype
         projected = inputs.reshape(-1, inputs.shape[-1]) @ layer.projection.to(dtype).T
-        delta = -(projected @ layer.direction.to(dtype).T)
+        direction = layer.direction.to(dtype)
         primal, tangent = fwAD.unpack_dual(output)
-        delta = delta.view_as(primal)
-        return fwAD.make_dual(primal, delta if tangent is None else tangent + delta)
+        if tangent is None:
+            return fwAD.make_dual(primal, (projected @ direction.T).neg_().view_as(primal))
+        if not tangent.is_contiguous():
+            return fwAD.make_dual(primal, tangent - (projected @ direction.T).view_as(primal))
+        # The layer's own tangent is a fresh tensor: add -(X A^T) D^T into it in place
+        # rather than holding a second (tokens x out_features) temporary.
+        tangent.view(-1, tangent.shape[-1]).addmm_(projected, direction.T, alpha=-1)
+        return fwAD.make_dual(primal, tangent)
 
     return hook
 
@@ -213,12 +240,64 @@ def _chunks(total: int, size: int) -> Iterator[slice]:
         yield slice(start, min(start + size, total))
 
 
-@contextmanager
-def _probe_mode(model: nn.Module):
-    """Eval mode, no grad, and an attention path that supports forward AD; every module's
-    train/eval flag and the attention implementation are restored afterwards, even on error."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+class _BlockedAttention(TorchFunctionMode):
+    """``F.scaled_dot_product_attention`` computed in blocks of queries, in plain ops that
+    forward AD differentiates, so a (block x keys) score matrix is the largest it makes.
 
+    Same semantics as SDPA: boolean masks keep True, float masks are added, ``is_causal``
+    is aligned top-left, grouped-query attention with ``enable_gqa``; a query that may
+    attend to nothing gets a zero output rather than NaN, so a masked padding position
+    cannot poison the tangents of the positions that follow it.
+    """
+
+    def __init__(self, block: int):
+        super().__init__()
+        self.block = block
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        return self._attention(*args, **kwargs)
+
+    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if dropout_p != 0.0:
+            raise ValueError("the KL probe runs the model in eval mode; attention dropout must be 0")
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+        groups = query.shape[-3] // key.shape[-3]
+        if groups > 1:
+            key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
+        blocks = []
+        for rows in _chunks(query.shape[-2], self.block):
+            # Under is_causal, keys after the block's last query are never attended: skip them.
+            keys = slice(0, min(rows.stop, key.shape[-2])) if is_causal else slice(None)
+            scores = (query[..., rows, :] @ key[..., keys, :].transpose(-2, -1)) * scale
+            allowed = None
+            if is_causal:
+                key_index = torch.arange(scores.shape[-1], device=query.device)
+                allowed = key_index <= torch.arange(rows.start, rows.stop, device=query.device)[:, None]
+            if attn_mask is not None:
+                mask = attn_mask[..., rows, :] if attn_mask.shape[-2] > 1 else attn_mask
+                if mask.dtype == torch.bool:
+                    allowed = mask if allowed is None else allowed & mask
+                else:
+                    scores = scores + mask
+            if allowed is not None:
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            weights = torch.softmax(scores, dim=-1)
+            if allowed is not None:
+                sees_something = allowed.any(dim=-1, keepdim=True)
+                if not bool(sees_something.all()):
+                    weights = torch.where(sees_something, weights, torch.zeros_like(weights))
+            blocks.append(weights @ value[..., keys, :])
+        return torch.cat(blocks, dim=-2)
+
+
+@contextmanager
+def _probe_mode(model: nn.Module, attention_block: int):
+    """Eval mode, no grad, and blocked SDPA attention that supports forward AD; every
+    module's train/eval flag and the attention implementation are restored afterwards,
+    even on error."""
     modes = [(module, module.training) for module in model.modules()]
     config = getattr(model, "config", None)
     attention = getattr(config, "_attn_implementation", None)
@@ -227,7 +306,7 @@ def _probe_mode(model: nn.Module):
         if switch:
             model.set_attn_implementation("sdpa")
         model.eval()
-        with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+        with torch.no_grad(), _BlockedAttention(attention_block):
             yield
     finally:
         for module, training in modes:

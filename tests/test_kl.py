@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -160,3 +161,62 @@ def test_probe_does_not_modify_weights_or_sketch_anything():
     probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(state.backward_calls == 1 for state in optimizer.sketches)
+
+
+@pytest.mark.parametrize("case", ["causal", "bool_mask", "float_mask", "gqa"])
+def test_blocked_probe_attention_equals_sdpa_in_value_and_tangent(case):
+    from lightning_logra.kl import _BlockedAttention
+
+    generator = torch.Generator().manual_seed(3)
+    query, key, value, q_tangent, v_tangent = (torch.randn(2, 4, 11, 8, generator=generator, dtype=torch.float64) for _ in range(5))
+    kwargs = {}
+    if case == "causal":
+        kwargs["is_causal"] = True
+    if case in ("bool_mask", "float_mask"):
+        allowed = torch.ones(11, 11, dtype=torch.bool).tril().expand(2, 1, 11, 11).clone()
+        allowed[1, :, :, :3] = False  # left padding of the second row
+        allowed[1, :, :3, 0] = True  # padding queries see one key, as HF masks do
+        kwargs["attn_mask"] = allowed if case == "bool_mask" else torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, -1e9)
+    if case == "gqa":
+        key, value, v_tangent = key[:, :2], value[:, :2], v_tangent[:, :2]
+        kwargs["enable_gqa"] = True
+
+    def run(mode):
+        with fwAD.dual_level(), mode:
+            out = nn.functional.scaled_dot_product_attention(
+                fwAD.make_dual(query, q_tangent), key, fwAD.make_dual(value, v_tangent), **kwargs
+            )
+            primal, tangent = fwAD.unpack_dual(out)
+            return primal.clone(), tangent.clone()
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    expected = run(sdpa_kernel([SDPBackend.MATH]))
+    actual = run(_BlockedAttention(block=4))
+    # float64 throughout: only summation order differs.
+    torch.testing.assert_close(actual[0], expected[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(actual[1], expected[1], rtol=1e-12, atol=1e-12)
+
+
+def test_blocked_probe_attention_gives_zero_for_a_query_that_sees_nothing():
+    from lightning_logra.kl import _BlockedAttention
+
+    query = key = value = torch.randn(1, 1, 3, 4)
+    allowed = torch.ones(1, 1, 3, 3, dtype=torch.bool).tril()
+    allowed[..., 0, :] = False
+    with _BlockedAttention(block=2):
+        out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed)
+    assert torch.equal(out[0, 0, 0], torch.zeros(4))
+    assert torch.isfinite(out).all()
+
+
+def test_probe_one_sequence_at_a_time_matches_the_mean_over_the_batch():
+    model, optimizer = prepared_model("sdpa")
+    input_ids, attention_mask, logits_mask = sequences()
+    whole = probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask)
+    per_row = [
+        probe_predicted_kl(model, optimizer.probe_layers(), input_ids[i : i + 1], attention_mask[i : i + 1], logits_mask[i : i + 1])
+        for i in range(3)
+    ]
+    counts = logits_mask.sum(dim=1).tolist()
+    assert whole == pytest.approx(sum(p * c for p, c in zip(per_row, counts)) / sum(counts), rel=1e-12)

@@ -45,7 +45,7 @@ class LoGRACallback(Callback):
     exact KL is logged as ``logra/measured_kl`` beside the prediction.
     """
 
-    def __init__(self, measure_kl: bool = False, log_memory: bool = True, position_chunk: int = 256) -> None:
+    def __init__(self, measure_kl: bool = False, log_memory: bool = True, position_chunk: int = 128) -> None:
         self.measure_kl = measure_kl
         self.log_memory = log_memory
         self.position_chunk = position_chunk

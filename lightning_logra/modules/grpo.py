@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torchmetrics import MeanMetric
 
 from lightning_logra.modules.config import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
-from lightning_logra.modules.logprobs import sequence_logprobs
+from lightning_logra.modules.logprobs import DEFAULT_CHUNK_SIZE, sequence_logprobs
 from lightning_logra.modules.losses import (
     RunningBaseline,
     dr_grpo_loss,
@@ -56,7 +56,7 @@ class GRPOModule(L.LightningModule):
         lora: LoRAConfig | None = None,
         micro_batch_size: int = 4,
         activation_checkpointing: bool = True,
-        logprob_chunk_size: int = 1024,
+        logprob_chunk_size: int = DEFAULT_CHUNK_SIZE,
         cache_dir: str | None = None,
         seed: int = 0,
     ) -> None:

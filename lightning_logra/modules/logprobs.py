@@ -11,6 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+# 256 positions x a 152k vocabulary is 150 MiB of float32 logits per chunk, about what one
+# decoder layer of a 1.5B model holds for 2k tokens; larger chunks make the head the peak.
+DEFAULT_CHUNK_SIZE = 256
+
 
 def token_logprobs(
     hidden: torch.Tensor,
@@ -19,7 +23,7 @@ def token_logprobs(
     targets: torch.Tensor,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     return_entropy: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of ``targets`` under ``softmax((hidden @ W.T + b) / temperature)``.
@@ -64,7 +68,9 @@ def token_logprobs(
 
 def _chunk_logprobs(hidden, weight, bias, targets, temperature, with_entropy):
     # The head runs in the model's dtype (as in generation); the softmax runs in float32.
-    logits = F.linear(hidden, weight, bias).float() / temperature
+    logits = F.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        logits = logits / temperature
     logprobs = torch.log_softmax(logits, dim=-1)
     entropy = -(logprobs.exp() * logprobs).sum(dim=-1) if with_entropy else None
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
@@ -76,7 +82,7 @@ def sequence_logprobs(
     attention_mask: torch.Tensor,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     return_entropy: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of each next token of a Hugging Face causal LM: ``out[:, t] = log p(ids[:, t+1] | ids[:, :t+1])``.

@@ -1,0 +1,46 @@
+"""Helpers for benchmarks that train through the ``logra`` CLI and read MLflow back."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sqlite3
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_logra(arguments: list[str], environment: dict, log: Path) -> float:
+    """Run ``logra <arguments>`` from the repository root, output to ``log``; seconds taken."""
+    started = time.perf_counter()
+    with log.open("w") as stream:
+        completed = subprocess.run([sys.executable, "-c", "from lightning_logra.cli import main; main()", *arguments],
+                                   cwd=ROOT, env=environment, stdout=stream, stderr=subprocess.STDOUT)
+    if completed.returncode != 0:
+        raise SystemExit(f"`logra {' '.join(arguments)}` failed (exit {completed.returncode}); see {log}")
+    return time.perf_counter() - started
+
+
+def metric_history(database: Path, run_name: str, key: str) -> list[tuple[int, float]]:
+    """(step, value) of one metric of the MLflow run called ``run_name``, in step order."""
+    with sqlite3.connect(database) as connection:
+        rows = connection.execute(
+            "select m.step, m.value from metrics m join runs r on r.run_uuid = m.run_uuid "
+            "join tags t on t.run_uuid = r.run_uuid and t.key = 'mlflow.runName' "
+            "where t.value = ? and m.key = ? order by m.step, m.timestamp",
+            (run_name, key),
+        ).fetchall()
+    if not rows:
+        raise SystemExit(f"run {run_name!r} logged no {key!r}")
+    return [(int(step), float(value)) for step, value in rows]
+
+
+def machine_info() -> dict:
+    import torch
+
+    return {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}

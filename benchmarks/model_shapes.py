@@ -1,0 +1,20 @@
+"""Model shapes the benchmarks use, fixed before measuring (Qwen2 architecture).
+
+``BENCH_156M`` is the CPU benchmark model. The Qwen2.5 entries carry the published sizes;
+``27B-class`` is Qwen2.5-32B's architecture with 52 of its 64 layers (26.9B parameters).
+"""
+
+BENCH_156M = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False)
+
+QWEN_SHAPES = {
+    "Qwen2.5-1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen2.5-14B": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "27B-class": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=52, num_attention_heads=40,
+                      num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+}
+
