@@ -24,20 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import sqlite3
-import subprocess
-import sys
 import shutil
+import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_runs import ROOT, machine_info, metric_history, run_logra  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
-STEPS = 20
-VAL_EVERY = 5
-VAL_SIZE = 64
+STEPS = 12
+VAL_EVERY = 12
+VAL_SIZE = 48
 CONFIGS = {"dense": "configs/quickstart_dense.yaml", "lora": "configs/quickstart_lora.yaml", "logra": "configs/quickstart.yaml"}
 SWEEPS = {
     "dense": {"lr=1e-5": ["--model.init_args.optimizer.lr=1e-5"], "lr=3e-5": ["--model.init_args.optimizer.lr=3e-5"]},
