@@ -147,7 +147,7 @@ def main() -> None:
             shutil.rmtree(work)
         work.mkdir(parents=True)
         result = measure(args.steps, work)
-        result.update({"command": "python benchmarks/kl.py " + " ".join(sys.argv[1:]), "machine": machine_info()})
+        result.update({"command": " ".join(["python", "benchmarks/kl.py", *sys.argv[1:]]), "machine": machine_info()})
         result["summary"] = summarise(result["steps"])
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "kl.json").write_text(json.dumps(result, indent=1))

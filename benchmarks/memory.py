@@ -267,7 +267,7 @@ def measure(args, default_chunk: int) -> dict:
         runs.append({"logprob_chunk": chunk, "modes": modes})
     result = {
         "benchmark": "training memory of one RL step (rollout excluded), each mode in a fresh process",
-        "command": "python benchmarks/memory.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python", "benchmarks/memory.py", *sys.argv[1:]]),
         "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                     "torch": torch.__version__, "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")},
         "allocator": "glibc default" if args.glibc_default else "glibc, MALLOC_MMAP_THRESHOLD_=65536",

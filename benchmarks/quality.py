@@ -167,7 +167,7 @@ def main() -> None:
         work.mkdir(parents=True)
         result = measure(args.steps, args.val_every, args.val_size, work)
         result.update({
-            "command": "python benchmarks/quality.py " + " ".join(sys.argv[1:]),
+            "command": " ".join(["python", "benchmarks/quality.py", *sys.argv[1:]]),
             "machine": machine_info(),
             "steps": args.steps, "val_every": args.val_every, "val_size": args.val_size,
         })

@@ -194,7 +194,7 @@ def main() -> None:
     else:
         started = time.perf_counter()
         rows = [measure_tokens(tokens, args.reps) for tokens in args.tokens]
-        result = {"command": "python benchmarks/speed.py " + " ".join(sys.argv[1:]), "machine": machine_info(), "reps": args.reps,
+        result = {"command": " ".join(["python", "benchmarks/speed.py", *sys.argv[1:]]), "machine": machine_info(), "reps": args.reps,
                   "rows": rows, "runtime_s": time.perf_counter() - started}
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "speed.json").write_text(json.dumps(result, indent=1))

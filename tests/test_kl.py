@@ -220,3 +220,29 @@ def test_probe_one_sequence_at_a_time_matches_the_mean_over_the_batch():
     ]
     counts = logits_mask.sum(dim=1).tolist()
     assert whole == pytest.approx(sum(p * c for p, c in zip(per_row, counts)) / sum(counts), rel=1e-12)
+
+
+def _probe_on_uneven_ranks(rank: int, world: int) -> tuple[float, int]:
+    model, optimizer = prepared_model("sdpa")
+    input_ids, attention_mask, logits_mask = sequences()
+    rows = slice(0, 2) if rank == 0 else slice(2, 3)  # rank 0 has two sequences, rank 1 one
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    prediction = probe_predicted_kl(model, optimizer.probe_layers(), input_ids[rows], attention_mask[rows], logits_mask[rows],
+                                    distributed=True)
+    return prediction, len(forwards)
+
+
+@pytest.mark.distributed
+def test_distributed_probe_runs_equal_forwards_and_returns_the_global_mean():
+    from tests.distributed import run_on_two_ranks
+
+    model, optimizer = prepared_model("sdpa")
+    input_ids, attention_mask, logits_mask = sequences()
+    single = probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask)
+    (rank0, forwards0), (rank1, forwards1) = run_on_two_ranks(_probe_on_uneven_ranks)
+    # Sharded models gather weights in every forward, so the rank with one sequence must
+    # run a second (scoring nothing) to match the other.
+    assert forwards0 == forwards1 == 2
+    assert rank0 == rank1
+    assert rank0 == pytest.approx(single, rel=1e-9)
