@@ -45,37 +45,59 @@ SWEEPS = {
         "budget=5e-3": ["--trainer.strategy.init_args.logra.kl_budget=5e-3", "--trainer.strategy.init_args.logra.kl_budget_final=1.25e-3"],
     },
 }
+# Run only with --add, after the main sweep: LoRA's two points both lowered pass@1, so
+# lower learning rates were added rather than judging LoRA on a sweep that missed its range.
+EXTRA_SWEEPS = {"lora": {"lr=1e-5": ["--model.init_args.optimizer.lr=1e-5"], "lr=3e-5": ["--model.init_args.optimizer.lr=3e-5"]}}
 TARGETS = {"dense_gain_points": 15.0, "logra_vs_dense": 0.95}
+
+
+def train(method: str, label: str, overrides: list[str], steps: int, val_every: int, step0: float,
+          common: list[str], environment: dict, work: Path) -> dict:
+    name = f"{method}-{label}"
+    arguments = ["fit", "-c", CONFIGS[method], *common, f"--trainer.max_steps={steps}",
+                 f"--trainer.val_check_interval={val_every}", f"--trainer.logger.init_args.run_name={name}", *overrides]
+    if method == "logra":
+        arguments.append(f"--trainer.strategy.init_args.logra.schedule_steps={steps}")
+    print(f"{name}: {steps} steps", flush=True)
+    seconds = run_logra(arguments, environment, work / f"{name}.log")
+    validation = [(0, step0)] + metric_history(work / "mlflow.db", name, "val/pass_at_1")
+    print(f"  final pass@1 {validation[-1][1]:.3f} (gain {100 * (validation[-1][1] - step0):+.1f} points), {seconds:.0f} s", flush=True)
+    return {"method": method, "setting": label, "seconds": seconds, "overrides": overrides, "val_pass_at_1": validation,
+            "reward_mean": metric_history(work / "mlflow.db", name, "reward/mean")}
+
+
+def common_arguments(val_size: int, work: Path) -> list[str]:
+    return [f"--data.init_args.val_size={val_size}", "--trainer.logger.init_args.experiment_name=quality",
+            f"--trainer.default_root_dir={work}"]
+
+
+def add_runs(result: dict, names: list[str], work: Path) -> None:
+    """Run extra sweep points into an existing result, with its settings and step-0 value."""
+    environment = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}")
+    for name in names:
+        method, _, label = name.partition("-")
+        if label not in EXTRA_SWEEPS.get(method, {}):
+            raise SystemExit(f"unknown extra run {name!r}; choose from "
+                             f"{[f'{m}-{k}' for m, sweep in EXTRA_SWEEPS.items() for k in sweep]}")
+        run = train(method, label, EXTRA_SWEEPS[method][label], result["steps"], result["val_every"], result["step0_pass_at_1"],
+                    common_arguments(result["val_size"], work), environment, work)
+        run["added"] = " ".join(["python", "benchmarks/quality.py", *sys.argv[1:]])
+        result["runs"].append(run)
 
 
 def measure(steps: int, val_every: int, val_size: int, work: Path) -> dict:
     database = work / "mlflow.db"
     environment = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{database}")
-    common = [f"--data.init_args.val_size={val_size}", "--trainer.logger.init_args.experiment_name=quality",
-              f"--trainer.default_root_dir={work}"]
+    common = common_arguments(val_size, work)
     started = time.perf_counter()
     print(f"step 0: validating the untrained model on {val_size} prompts", flush=True)
     seconds = run_logra(["validate", "-c", CONFIGS["dense"], *common, "--trainer.logger.init_args.run_name=step0"],
                   environment, work / "step0.log")
     step0 = metric_history(database, "step0", "val/pass_at_1")[-1][1]
     print(f"  pass@1 {step0:.3f} ({seconds:.0f} s)", flush=True)
-    runs = []
-    for method, sweep in SWEEPS.items():
-        for label, overrides in sweep.items():
-            name = f"{method}-{label}"
-            arguments = ["fit", "-c", CONFIGS[method], *common, f"--trainer.max_steps={steps}",
-                         f"--trainer.val_check_interval={val_every}", f"--trainer.logger.init_args.run_name={name}", *overrides]
-            if method == "logra":
-                arguments.append(f"--trainer.strategy.init_args.logra.schedule_steps={steps}")
-            print(f"{name}: {steps} steps", flush=True)
-            seconds = run_logra(arguments, environment, work / f"{name}.log")
-            validation = [(0, step0)] + metric_history(database, name, "val/pass_at_1")
-            reward = metric_history(database, name, "reward/mean")
-            runs.append({"method": method, "setting": label, "seconds": seconds, "overrides": overrides,
-                         "val_pass_at_1": validation, "reward_mean": reward})
-            print(f"  final pass@1 {validation[-1][1]:.3f} (gain {100 * (validation[-1][1] - step0):+.1f} points), {seconds:.0f} s",
-                  flush=True)
-    return {"step0_pass_at_1": step0, "runs": runs, "total_seconds": time.perf_counter() - started}
+    runs = [train(method, label, overrides, steps, val_every, step0, common, environment, work)
+            for method, sweep in SWEEPS.items() for label, overrides in sweep.items()]
+    return {"step0_pass_at_1": step0, "step0_seconds": seconds, "runs": runs, "total_seconds": time.perf_counter() - started}
 
 
 def summarise(result: dict) -> dict:
@@ -92,7 +114,7 @@ def summarise(result: dict) -> dict:
         "logra_over_dense": logra / dense if dense else None,
         "logra_vs_dense_met": dense > 0 and logra >= TARGETS["logra_vs_dense"] * dense,
         "logra_vs_lora_met": logra >= lora,
-        "within_60_minutes": result["total_seconds"] <= 3600,
+        "within_60_minutes": result["total_seconds"] <= 3600,  # the main sweep; --add runs are extra
     }
 
 
@@ -107,7 +129,8 @@ def render(result: dict) -> str:
     for r in result["runs"]:
         final = r["val_pass_at_1"][-1][1]
         chosen = "yes" if summary["best"][r["method"]]["setting"] == r["setting"] else ""
-        lines.append(f"| {r['method']} | {r['setting']} | {final:.3f} | {100 * (final - result['step0_pass_at_1']):+.1f} | {chosen} | {r['seconds']:.0f} |")
+        setting = r["setting"] + (" (added with --add)" if "added" in r else "")
+        lines.append(f"| {r['method']} | {setting} | {final:.3f} | {100 * (final - result['step0_pass_at_1']):+.1f} | {chosen} | {r['seconds']:.0f} |")
     ratio = summary["logra_over_dense"]
     lines += [
         "",
@@ -115,7 +138,9 @@ def render(result: dict) -> str:
         f"{'met' if summary['dense_gain_met'] else 'missed'}). LoGRA gain / dense gain = "
         f"{'n/a' if ratio is None else f'{ratio:.2f}'} (target >= {TARGETS['logra_vs_dense']}: {'met' if summary['logra_vs_dense_met'] else 'missed'}); "
         f"LoGRA >= LoRA: {'met' if summary['logra_vs_lora_met'] else 'missed'}. "
-        f"Total {result['total_seconds'] / 60:.1f} min (target <= 60: {'met' if summary['within_60_minutes'] else 'missed'}).",
+        f"The main sweep took {result['total_seconds'] / 60:.1f} min (target <= 60: {'met' if summary['within_60_minutes'] else 'missed'})"
+        + (f"; the runs added with --add took {sum(r['seconds'] for r in result['runs'] if 'added' in r) / 60:.1f} min more."
+           if any("added" in r for r in result["runs"]) else "."),
         "",
         f"Machine: {result['machine']['processor']}, {result['machine']['cpus']} CPUs, torch {result['machine']['torch']}, "
         f"{result['machine']['date_utc']}; {result['steps']} steps, validation every {result['val_every']}; command: `{result['command']}`.",
@@ -137,10 +162,12 @@ def plot(result: dict, path: Path) -> None:
                      label=f"{r['method']} {r['setting']}")
         steps, values = zip(*r["reward_mean"])
         reward.plot([s + 1 for s in steps], values, **style)
+        # Entry 0 is the untrained model; the others carry MLflow's step, the 0-based index
+        # of the last update before the validation, so they sit at updates = step + 1.
         steps, values = zip(*r["val_pass_at_1"])
-        validation.plot(steps, values, marker="o", **style)
-    reward.set(xlabel="step", ylabel="training reward (mean of 32 samples, T=1)")
-    validation.set(xlabel="step", ylabel=f"validation pass@1 ({result['val_size']} prompts x 4, T=0.7)")
+        validation.plot([0] + [s + 1 for s in steps[1:]], values, marker="o", **style)
+    reward.set(xlabel="step (rollout batch)", ylabel="training reward (mean of 32 samples, T=1)")
+    validation.set(xlabel="updates applied", ylabel=f"validation pass@1 ({result['val_size']} prompts x 4, T=0.7)")
     for axis in (reward, validation):
         axis.legend(fontsize=7)
     figure.suptitle(f"GRPO, SmolLM2-135M-Instruct, arithmetic:1 - CPU ({result['machine']['cpus']} cores), "
@@ -156,10 +183,19 @@ def main() -> None:
     parser.add_argument("--val-size", type=int, default=VAL_SIZE)
     parser.add_argument("--out", default="quality", help="results file stem under benchmarks/results")
     parser.add_argument("--render", type=Path, metavar="JSON", help="only redraw .md/.png from a results file")
+    parser.add_argument("--add", nargs="+", metavar="RUN",
+                        help="run extra sweep points (e.g. lora-lr=1e-5) into results/<out>.json, reusing its settings, step 0 "
+                             "and MLflow store")
     args = parser.parse_args()
     if args.render:
         result = json.loads(args.render.read_text())
         stem = args.render.with_suffix("")
+    elif args.add:
+        stem = RESULTS / args.out
+        result = json.loads(stem.with_suffix(".json").read_text())
+        add_runs(result, args.add, ROOT / "lightning_logs" / "quality")
+        result["summary"] = summarise(result)
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     else:
         work = ROOT / "lightning_logs" / "quality"  # run logs and the MLflow store, kept for inspection
         if work.exists():
