@@ -1,4 +1,5 @@
-"""Helpers for benchmarks that train through the ``logra`` CLI and read MLflow back."""
+"""Helpers shared by the benchmarks: training through the ``logra`` CLI and reading MLflow
+back, the machine description, and stacked bar plots."""
 
 from __future__ import annotations
 
@@ -44,3 +45,16 @@ def machine_info() -> dict:
 
     return {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
             "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def machine_line(machine: dict) -> str:
+    """The machine as the results tables name it."""
+    return f"Machine: {machine['processor']}, {machine['cpus']} CPUs, torch {machine['torch']}, {machine['date_utc']}"
+
+
+def stacked_bars(axis, labels: list[str], parts: dict[str, list[float]]) -> None:
+    """One bar per label, stacked from ``parts`` (legend name -> one value per label)."""
+    bottom = [0.0] * len(labels)
+    for name, values in parts.items():
+        axis.bar(labels, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]

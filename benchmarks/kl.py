@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import ROOT, machine_info, metric_history, run_logra  # noqa: E402
+from cli_runs import ROOT, machine_info, machine_line, metric_history, run_logra  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEPS = 24
@@ -95,8 +95,7 @@ def render(result: dict) -> str:
         f"**{'n/a' if lower is None else f'{100 * lower:.0f}%'}** of the {s['uncapped_updates']} updates with alpha < {ALPHA_MAX:g} "
         f"(target >= 90%: {'met' if s['lower_met'] else 'missed'}).",
         "",
-        f"Machine: {result['machine']['processor']}, {result['machine']['cpus']} CPUs, torch {result['machine']['torch']}, "
-        f"{result['machine']['date_utc']}; {len(result['steps'])} steps in {result['seconds']:.0f} s; command: `{result['command']}`.",
+        f"{machine_line(result['machine'])}; {len(result['steps'])} steps in {result['seconds']:.0f} s; command: `{result['command']}`.",
     ]
     return "\n".join(lines)
 

@@ -29,15 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cli_runs import machine_info, machine_line, stacked_bars  # noqa: E402
 from model_shapes import BENCH_156M, QWEN_SHAPES  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -175,9 +174,8 @@ def render(result: dict) -> str:
         probe = rows["logra"]["peak_after_mib"]
         lines += ["", "; ".join(verdicts) + ".",
                   f"LoGRA's peak before the KL probe was {probe['forward_backward']:,.0f} MiB, after it {probe['kl_probe']:,.0f} MiB.", ""]
-    m = result["machine"]
     lines += [
-        f"Machine: {m['processor']}, {m['cpus']} CPUs, torch {m['torch']}, {m['date_utc']}, allocator: {result['allocator']}; "
+        f"{machine_line(result['machine'])}, allocator: {result['allocator']}; "
         f"model {result['model']}; {MICRO_BATCHES} x {TOKENS} tokens, rank {RANK}, activation checkpointing in every mode.",
         "",
         "### Analytic per-rank state (meta device, `memory_report`, rank 256, bf16 compute)",
@@ -201,11 +199,8 @@ def plot(result: dict, path: Path) -> None:
     run = next(r for r in result["runs"] if r["logprob_chunk"] == result["library_logprob_chunk"])
     rows = {row["mode"]: row for row in run["modes"]}
     figure, (measured, analytic) = plt.subplots(1, 2, figsize=(12, 4.2))
-    bottom = [0.0] * len(MODES)
-    for part in parts:
-        values = [rows[mode]["breakdown_mib"][part] / 1024 for mode in MODES]
-        measured.bar(MODES, values, bottom=bottom, label=part.replace("_", " "))
-        bottom = [b + v for b, v in zip(bottom, values)]
+    stacked_bars(measured, list(MODES), {part.replace("_", " "): [rows[mode]["breakdown_mib"][part] / 1024 for mode in MODES]
+                                         for part in parts})
     measured.set_ylabel("GiB (peak RSS above the pre-model baseline)")
     measured.set_title(f"One RL step, 156M Qwen2, {MICRO_BATCHES} x {TOKENS} tokens\n"
                        f"CPU ({result['machine']['cpus']} cores), {result['machine']['date_utc'][:10]}, python benchmarks/memory.py", fontsize=9)
@@ -248,8 +243,6 @@ def main() -> None:
 
 
 def measure(args, default_chunk: int) -> dict:
-    import torch
-
     chunks = [int(c) for c in args.logprob_chunks.split(",")] if args.logprob_chunks else [default_chunk, 1024]
     environment = dict(os.environ)
     if not args.glibc_default:
@@ -268,8 +261,7 @@ def measure(args, default_chunk: int) -> dict:
     result = {
         "benchmark": "training memory of one RL step (rollout excluded), each mode in a fresh process",
         "command": " ".join(["python", "benchmarks/memory.py", *sys.argv[1:]]),
-        "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                    "torch": torch.__version__, "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+        "machine": machine_info(),
         "allocator": "glibc default" if args.glibc_default else "glibc, MALLOC_MMAP_THRESHOLD_=65536",
         "model": BENCH_156M, "tokens_per_micro_batch": TOKENS, "micro_batches": MICRO_BATCHES, "rank": RANK,
         "library_logprob_chunk": default_chunk,

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import ROOT, machine_info, metric_history, run_logra  # noqa: E402
+from cli_runs import ROOT, machine_info, machine_line, metric_history, run_logra  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEPS = 12
@@ -142,8 +142,7 @@ def render(result: dict) -> str:
         + (f"; the runs added with --add took {sum(r['seconds'] for r in result['runs'] if 'added' in r) / 60:.1f} min more."
            if any("added" in r for r in result["runs"]) else "."),
         "",
-        f"Machine: {result['machine']['processor']}, {result['machine']['cpus']} CPUs, torch {result['machine']['torch']}, "
-        f"{result['machine']['date_utc']}; {result['steps']} steps, validation every {result['val_every']}; command: `{result['command']}`.",
+        f"{machine_line(result['machine'])}; {result['steps']} steps, validation every {result['val_every']}; command: `{result['command']}`.",
     ]
     return "\n".join(lines)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import machine_info  # noqa: E402
+from cli_runs import machine_info, machine_line, stacked_bars  # noqa: E402
 from model_shapes import BENCH_156M  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -152,8 +152,7 @@ def render(result: dict) -> str:
         f"{'met' if first['logra_over_dense'] <= TARGET else 'missed'} with the probe, "
         f"{'met' if first['logra_over_dense_without_probe'] <= TARGET else 'missed'} without it.",
         "",
-        f"Machine: {result['machine']['processor']}, {result['machine']['cpus']} CPUs, torch {result['machine']['torch']}, "
-        f"{result['machine']['date_utc']}; median of {result['reps']} repetitions, {MICRO_BATCHES} micro-batches of one sequence, "
+        f"{machine_line(result['machine'])}; median of {result['reps']} repetitions, {MICRO_BATCHES} micro-batches of one sequence, "
         f"probe on {PROBE_RESPONSES} sequences; command: `{result['command']}`.",
     ]
     return "\n".join(lines)
@@ -168,11 +167,8 @@ def plot(result: dict, path: Path) -> None:
     rows = result["rows"]
     figure, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.2), squeeze=False)
     for axis, row in zip(axes[0], rows):
-        bottom = [0.0] * len(MODES)
-        for piece in ("forward_backward", "update", "kl_probe"):
-            values = [row["medians_s"][mode][piece] for mode in MODES]
-            axis.bar(MODES, values, bottom=bottom, label=piece.replace("_", " "))
-            bottom = [b + v for b, v in zip(bottom, values)]
+        stacked_bars(axis, list(MODES), {piece.replace("_", " "): [row["medians_s"][mode][piece] for mode in MODES]
+                                         for piece in ("forward_backward", "update", "kl_probe")})
         axis.set_ylabel("median seconds per step")
         axis.set_title(f"{row['tokens_per_micro_batch']} tokens x {MICRO_BATCHES} micro-batches: LoGRA / dense "
                        f"{row['logra_over_dense']:.2f} ({row['logra_over_dense_without_probe']:.2f} without probe)", fontsize=9)
