@@ -15,6 +15,10 @@ without the probe) and the probe's share of LoGRA's step.
 
     python benchmarks/speed.py                   # 2,048 tokens per micro-batch, 5 repetitions
     python benchmarks/speed.py --tokens 2048 8192
+    python benchmarks/speed.py --tokens 8192 --add   # append a row to the existing results
+
+A row added with ``--add`` keeps its own command, machine and date; its ratios, like every
+row's, come from modes timed side by side in that one run.
 """
 
 from __future__ import annotations
@@ -155,6 +159,11 @@ def render(result: dict) -> str:
         f"{machine_line(result['machine'])}; median of {result['reps']} repetitions, {MICRO_BATCHES} micro-batches of one sequence, "
         f"probe on {PROBE_RESPONSES} sequences; command: `{result['command']}`.",
     ]
+    for row in result["rows"]:
+        if "added" in row:
+            added = row["added"]
+            lines.append(f"Row {row['tokens_per_micro_batch']} was measured in a separate run: {machine_line(added['machine'])}; "
+                         f"median of {added['reps']} repetitions; command: `{added['command']}`.")
     return "\n".join(lines)
 
 
@@ -184,9 +193,22 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--render", type=Path, metavar="JSON", help="only redraw .md/.png from a results file")
+    parser.add_argument("--add", action="store_true", help="append the measured rows to results/speed.json instead of replacing it")
     args = parser.parse_args()
     if args.render:
         result = json.loads(args.render.read_text())
+    elif args.add:
+        result = json.loads((RESULTS / "speed.json").read_text())
+        measured = {row["tokens_per_micro_batch"] for row in result["rows"]}
+        if measured & set(args.tokens):
+            parser.error(f"--add: results/speed.json already has rows for {sorted(measured & set(args.tokens))} tokens")
+        for tokens in args.tokens:
+            started = time.perf_counter()
+            row = measure_tokens(tokens, args.reps)
+            row["added"] = {"command": " ".join(["python", "benchmarks/speed.py", *sys.argv[1:]]), "machine": machine_info(),
+                            "reps": args.reps, "runtime_s": time.perf_counter() - started}
+            result["rows"].append(row)
+            (RESULTS / "speed.json").write_text(json.dumps(result, indent=1))
     else:
         started = time.perf_counter()
         rows = [measure_tokens(tokens, args.reps) for tokens in args.tokens]

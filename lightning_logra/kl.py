@@ -204,11 +204,13 @@ def probe_predicted_kl(
 
 def _tangent_hook(layer: ProbeLayer):
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        inputs = fwAD.unpack_dual(args[0]).primal
-        dtype = inputs.dtype
+        primal, tangent = fwAD.unpack_dual(output)
+        # The output's dtype, not the input's: under autocast a float32 input gives a
+        # bfloat16 output, and the in-place update below does not autocast.
+        dtype = primal.dtype
+        inputs = fwAD.unpack_dual(args[0]).primal.to(dtype)
         projected = inputs.reshape(-1, inputs.shape[-1]) @ layer.projection.to(dtype).T
         direction = layer.direction.to(dtype)
-        primal, tangent = fwAD.unpack_dual(output)
         if tangent is None:
             return fwAD.make_dual(primal, (projected @ direction.T).neg_().view_as(primal))
         if not tangent.is_contiguous():

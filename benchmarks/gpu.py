@@ -1,0 +1,550 @@
+"""GPU rows, planned as one short device run: what fits on one GPU, and 1.5B memory and speed.
+
+Parts, in this order (each measurement in its own fresh process, so an OOM cannot leave
+memory behind for the next; results are written to ``gpu.json`` after every measurement,
+so a run cut short keeps what it measured):
+
+1. **Largest RL step that fits.** One LoGRA r=256 RL step, then one dense AdamW step, on
+   random-init Qwen2 configs built on the ``meta`` device and materialised on the GPU:
+   ``Qwen2.5-7B``, ``Qwen2.5-14B``, ``27B-class`` (LoGRA) and ``Qwen2.5-1.5B``, 7B, 14B
+   (dense), each mode in ascending size until its first OOM. The step: HF ``generate``
+   rollout of 2 sequences (prompt of ``tokens - new_tokens`` random ids, ``new_tokens``
+   sampled), then 2 micro-batches of one 2,048-token sequence each (forward with chunked
+   log-probs, REINFORCE-shaped loss, backward with activation checkpointing) and the
+   update (LoGRA: ``prepare_update``, KL probe on the 2 sequences, ``step``; dense: fused
+   AdamW). float32 master weights, bf16 autocast compute. Recorded: peak
+   ``torch.cuda.max_memory_allocated`` per phase and overall, or the phase that ran out
+   of memory.
+2. **1.5B memory.** ``Qwen2.5-1.5B`` config, dense AdamW, LoRA r=256 (peft, all seven
+   projections) and LoGRA r=256, each in its own process: 2 micro-batches of 4,096 tokens,
+   rollout excluded (the CPU memory benchmark's step at a realistic size).
+3. **1.5B speed.** The three modes in one process, 4 micro-batches of 4,096 tokens, the
+   order rotating per repetition, median of 5, ``torch.cuda.synchronize`` around each piece.
+4. **vLLM end to end.** ``logra fit`` on the quickstart config with the vLLM engine for a
+   few steps on the GPU, when vLLM imports and the quickstart model is available; otherwise
+   recorded as not run, with the reason.
+
+``--budget-s`` bounds the whole run: a part that would start after it is recorded as not run.
+
+    python benchmarks/gpu.py --out "$OUT"           # on the GPU machine (writes gpu.json and gpu.md)
+    python benchmarks/gpu.py --render results/gpu.json   # redraw gpu.md and gpu.png here
+    python benchmarks/gpu.py --device cpu --smoke   # exercise every code path on a tiny model (no figures)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_runs import ROOT, machine_info, machine_line  # noqa: E402
+from model_shapes import QWEN_SHAPES  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RANK = 256
+MODES = ("dense", "lora", "logra")
+FIT_SIZES = {"logra": ("Qwen2.5-7B", "Qwen2.5-14B", "27B-class"), "dense": ("Qwen2.5-1.5B", "Qwen2.5-7B", "Qwen2.5-14B")}
+FIT_TOKENS, FIT_NEW_TOKENS, FIT_MICRO_BATCHES = 2048, 64, 2
+SIZE_SHAPE, SIZE_TOKENS, MEMORY_MICRO_BATCHES, SPEED_MICRO_BATCHES, SPEED_REPS = "Qwen2.5-1.5B", 4096, 2, 4, 5
+SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)
+GIB = 2**30
+
+
+# --- one process: build a model and run steps ------------------------------------------
+
+def build_model(shape: dict, device: "torch.device"):
+    """A random-init Qwen2 built on the meta device and materialised on ``device`` in float32."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    config = Qwen2Config(**shape, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0.0, config.initializer_range)
+            elif name.endswith("norm.weight"):
+                parameter.fill_(1.0)
+            else:
+                parameter.zero_()
+    # to_empty leaves non-persistent buffers (the rotary frequencies) uninitialised.
+    model.model.rotary_emb = Qwen2RotaryEmbedding(config).to(device)
+    model.generation_config.eos_token_id = None  # random weights: always generate new_tokens
+    model.generation_config.pad_token_id = 0
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+class Trainer:
+    """One mode's model and optimizer; ``step`` runs one training step and times its pieces."""
+
+    def __init__(self, mode: str, shape: dict, device: "torch.device", state: dict | None = None):
+        import torch
+
+        from lightning_logra import LoGRAConfig, LoGRAOptimizer
+
+        self.mode, self.device = mode, device
+        model = build_model(shape, device)
+        if state is not None:
+            model.load_state_dict(state)
+        if mode == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(LoGRAConfig().target_modules)))
+        self.model = model
+        self.logra = LoGRAOptimizer(model, LoGRAConfig(rank=RANK), compute_dtype=torch.bfloat16) if mode == "logra" else None
+        if mode != "logra":
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(trainable, lr=1e-6, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+    def autocast(self):
+        import torch
+
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def rollout(self, batch: int, prompt_tokens: int, new_tokens: int, generator) -> "torch.Tensor":
+        import torch
+
+        prompts = torch.randint(0, self.model.config.vocab_size, (batch, prompt_tokens), generator=generator).to(self.device)
+        self.model.eval()
+        with torch.no_grad(), self.autocast():
+            sequences = self.model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
+                                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, output_logits=True,
+                                            return_dict_in_generate=True).sequences
+        self.model.train()
+        return sequences
+
+    def step(self, sequences: list, advantages: list[float], phase=lambda name: None) -> dict[str, float]:
+        """Forward + backward over ``sequences`` (one micro-batch each), then the update.
+
+        ``phase(name)`` is called as each phase ends (the caller reads its memory there)."""
+        import torch
+
+        from lightning_logra import kl_step_scale, probe_predicted_kl
+        from lightning_logra.modules.logprobs import sequence_logprobs
+
+        times = {"forward_backward": 0.0, "update": 0.0, "kl_probe": 0.0}
+        clock = Clock(self.device)
+        for sequence, advantage in zip(sequences, advantages):
+            with self.autocast():
+                logprobs = sequence_logprobs(self.model, sequence, torch.ones_like(sequence))
+            (-(advantage * logprobs).mean() / len(sequences)).backward()
+        times["forward_backward"] = clock.lap()
+        phase("forward_backward")
+        if self.logra is None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            times["update"] = clock.lap()
+        else:
+            self.logra.prepare_update(normalization_tokens=sum(s.numel() for s in sequences))
+            times["update"] = clock.lap()
+            probe = torch.cat(sequences)
+            logits_mask = torch.ones_like(probe, dtype=torch.bool)
+            logits_mask[:, -1] = False
+            # Under autocast, as in GRPOModule, whose optimizer step runs inside its training step.
+            with self.autocast():
+                prediction = probe_predicted_kl(self.model, self.logra.probe_layers(), probe, torch.ones_like(probe), logits_mask)
+            times["kl_probe"] = clock.lap()
+            phase("kl_probe")
+            self.logra.step(alpha=kl_step_scale(prediction, budget=2e-4))
+            times["update"] += clock.lap()
+        phase("update")
+        times["step"] = sum(times.values())
+        return times
+
+
+class Clock:
+    """Seconds between calls, with the device's queue drained first."""
+
+    def __init__(self, device):
+        self.device = device
+        self.last = self._now()
+
+    def _now(self) -> float:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self) -> float:
+        now = self._now()
+        seconds, self.last = now - self.last, now
+        return seconds
+
+
+class PeakMemory:
+    """Peak allocated GPU memory per phase (None on CPU, where the smoke run only checks paths)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.device, self.phases = device, {}
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def allocated_gib(self) -> float | None:
+        import torch
+
+        return torch.cuda.memory_allocated(self.device) / GIB if self.cuda else None
+
+    def end_phase(self, name: str) -> None:
+        import torch
+
+        if self.cuda:
+            self.phases[name] = torch.cuda.max_memory_allocated(self.device) / GIB
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.phases[name] = None
+
+    def peak_gib(self) -> float | None:
+        return max(self.phases.values()) if self.cuda and self.phases else None
+
+
+def child_fit(mode: str, shape: dict, tokens: int, new_tokens: int, micro_batches: int, device) -> dict:
+    """One RL step (rollout + update) of ``mode``; the peak memory of each phase."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    memory = PeakMemory(device)
+    result = {"phases_gib": memory.phases}
+    try:
+        trainer = Trainer(mode, shape, device)
+        memory.end_phase("build")
+        result["weights_gib"] = memory.allocated_gib()
+        result["parameters"] = sum(p.numel() for p in trainer.model.parameters())
+        clock = Clock(device)
+        sequences = trainer.rollout(micro_batches, tokens - new_tokens, new_tokens, generator)
+        result["rollout_s"] = clock.lap()
+        memory.end_phase("rollout")
+        advantages = torch.randn(micro_batches, generator=generator).tolist()
+        result["step_s"] = trainer.step([row[None] for row in sequences], advantages, phase=memory.end_phase)
+        result["fits"] = True
+    except torch.OutOfMemoryError as error:
+        result["fits"] = False
+        result["oom_in_phase"] = next(p for p in ("build", "rollout", "forward_backward", "kl_probe", "update") if p not in memory.phases)
+        result["oom_message"] = str(error).splitlines()[0]
+    result["peak_gib"] = memory.peak_gib()
+    return result
+
+
+def child_memory(mode: str, shape: dict, tokens: int, micro_batches: int, device) -> dict:
+    """One training step of ``mode`` on random tokens (rollout excluded), with a breakdown."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    memory = PeakMemory(device)
+    trainer = Trainer(mode, shape, device)
+    memory.end_phase("build")
+    sequences = [torch.randint(0, shape["vocab_size"], (1, tokens), generator=generator).to(device) for _ in range(micro_batches)]
+    seconds = trainer.step(sequences, torch.randn(micro_batches, generator=generator).tolist(), phase=memory.end_phase)
+    model, logra = trainer.model, trainer.logra
+    if logra is None:
+        state = [t for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    else:
+        state = [logra.sketches.buffer] + [s.projection for s in logra.sketches] + [s.second_moment for s in logra.sketches]
+    step_phases = {k: v for k, v in memory.phases.items() if k != "build"}
+    return {
+        "mode": mode,
+        "peak_gib": max(step_phases.values()) if memory.cuda else None,
+        "phases_gib": memory.phases,
+        "breakdown_gib": {
+            "weights": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB,
+            "gradients (fp32, as many as trainable parameters)":
+                sum(p.numel() * 4 for p in model.parameters() if p.requires_grad) / GIB,
+            "optimizer_or_logra_state": sum(t.numel() * t.element_size() for t in state) / GIB,
+        },
+        "step_s": seconds,
+    }
+
+
+def child_speed(shape: dict, tokens: int, micro_batches: int, reps: int, device) -> dict:
+    """The three modes from the same weights on the same tokens, order rotating per repetition."""
+    import torch
+
+    state = build_model(shape, device).state_dict()
+    trainers = {mode: Trainer(mode, shape, device, state) for mode in MODES}
+    del state
+    generator = torch.Generator().manual_seed(2)
+
+    def batch():
+        return ([torch.randint(0, shape["vocab_size"], (1, tokens), generator=generator).to(device) for _ in range(micro_batches)],
+                torch.randn(micro_batches, generator=generator).tolist())
+
+    warmup = batch()
+    for trainer in trainers.values():
+        trainer.step(warmup[0][:1], warmup[1][:1])
+    samples = {mode: [] for mode in MODES}
+    for rep in range(reps):
+        inputs = batch()
+        for mode in MODES[rep % 3:] + MODES[:rep % 3]:
+            samples[mode].append(trainers[mode].step(*inputs))
+    medians = {mode: {piece: statistics.median(s[piece] for s in samples[mode]) for piece in samples[mode][0]} for mode in MODES}
+    logra = medians["logra"]
+    return {"samples": samples, "medians_s": medians,
+            "logra_over_dense": logra["step"] / medians["dense"]["step"],
+            "logra_over_dense_without_probe": (logra["step"] - logra["kl_probe"]) / medians["dense"]["step"],
+            "logra_over_lora": logra["step"] / medians["lora"]["step"],
+            "probe_share_of_logra_step": logra["kl_probe"] / logra["step"]}
+
+
+def run_child(arguments: dict) -> dict:
+    import torch
+
+    device = torch.device(arguments["device"])
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # as any bf16 trainer runs its float32 leftovers
+    kind = arguments.pop("kind")
+    arguments["device"] = device
+    return {"child_fit": child_fit, "child_memory": child_memory, "child_speed": child_speed}[kind](**arguments)
+
+
+# --- the parent: run the parts in fresh processes, write as it goes ----------------------
+
+class Run:
+    def __init__(self, out: Path, device: str, smoke: bool, budget_s: float):
+        self.out, self.device, self.smoke = out, device, smoke
+        self.deadline = time.monotonic() + budget_s
+        self.result = {"command": " ".join(["python", "benchmarks/gpu.py", *sys.argv[1:]]), "machine": machine_info(),
+                       "device": device_name(device), "device_memory_gib": device_memory_gib(device), "smoke": smoke,
+                       "fit": [], "memory_1.5b": [], "speed_1.5b": None, "vllm": None, "not_run": []}
+
+    def shape(self, name: str) -> dict:
+        return SMOKE_SHAPE if self.smoke else QWEN_SHAPES[name]
+
+    def save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "gpu.json").write_text(json.dumps(self.result, indent=1))
+        (self.out / "gpu.md").write_text(render(self.result) + "\n")
+
+    def child(self, label: str, arguments: dict, timeout_s: float) -> dict | None:
+        left = self.deadline - time.monotonic()
+        if left < 20:
+            self.result["not_run"].append(f"{label}: time budget spent")
+            return None
+        print(f"[gpu.py] {label} ...", flush=True)
+        started = time.perf_counter()
+        try:
+            completed = subprocess.run([sys.executable, __file__, "--child", json.dumps(arguments)], cwd=ROOT,
+                                       capture_output=True, text=True, timeout=min(timeout_s, left))
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {min(timeout_s, left):.0f} s", "seconds": time.perf_counter() - started}
+        lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+        if completed.returncode != 0 or not lines:
+            return {"error": f"exit {completed.returncode}: {completed.stderr.strip()[-1500:]}", "seconds": time.perf_counter() - started}
+        result = json.loads(lines[-1][len("RESULT "):])
+        result["seconds"] = time.perf_counter() - started
+        print(f"[gpu.py] {label}: {summary(result)}", flush=True)
+        return result
+
+    def fit(self) -> None:
+        tokens, new_tokens = (64, 8) if self.smoke else (FIT_TOKENS, FIT_NEW_TOKENS)
+        for mode in ("logra", "dense"):
+            for name in FIT_SIZES[mode]:
+                result = self.child(f"fit {mode} {name}", {"kind": "child_fit", "mode": mode, "shape": self.shape(name), "tokens": tokens,
+                                                           "new_tokens": new_tokens, "micro_batches": FIT_MICRO_BATCHES,
+                                                           "device": self.device}, timeout_s=300)
+                if result is None:
+                    break
+                self.result["fit"].append({"mode": mode, "model": name, "tokens": tokens, "new_tokens": new_tokens, **result})
+                self.save()
+                if not result.get("fits"):
+                    break  # larger sizes will not fit either
+
+    def memory(self) -> None:
+        tokens = 64 if self.smoke else SIZE_TOKENS
+        for mode in MODES:
+            result = self.child(f"memory {mode} {SIZE_SHAPE}", {"kind": "child_memory", "mode": mode, "shape": self.shape(SIZE_SHAPE),
+                                                                  "tokens": tokens, "micro_batches": MEMORY_MICRO_BATCHES,
+                                                                  "device": self.device}, timeout_s=180)
+            if result is not None:
+                self.result["memory_1.5b"].append({"tokens": tokens, **result})
+                self.save()
+
+    def speed(self) -> None:
+        tokens, reps = (64, 2) if self.smoke else (SIZE_TOKENS, SPEED_REPS)
+        result = self.child(f"speed {SIZE_SHAPE}", {"kind": "child_speed", "shape": self.shape(SIZE_SHAPE), "tokens": tokens,
+                                                     "micro_batches": SPEED_MICRO_BATCHES, "reps": reps, "device": self.device},
+                            timeout_s=240)
+        if result is not None:
+            self.result["speed_1.5b"] = {"tokens": tokens, "reps": reps, **result}
+            self.save()
+
+    def vllm(self) -> None:
+        import importlib.util
+
+        from lightning_logra.modules.policy import BUILTIN_MODELS
+
+        missing = [name for name in ("vllm", BUILTIN_MODELS["smollm2-135m-instruct"].package, "gguf", "accelerate")
+                   if importlib.util.find_spec(name) is None]
+        if missing or self.device == "cpu":
+            self.result["vllm"] = {"run": False, "reason": f"not importable here: {', '.join(missing)}" if missing else "needs a GPU"}
+            self.save()
+            return
+        left = self.deadline - time.monotonic()
+        if left < 120:
+            self.result["not_run"].append("vllm: time budget spent")
+            return
+        arguments = ["fit", "-c", "configs/quickstart.yaml", "--trainer.accelerator=cuda", "--trainer.precision=bf16-mixed",
+                     "--trainer.max_steps=3", "--trainer.val_check_interval=3", "--model.rollout.engine=vllm",
+                     "--model.rollout.gpu_memory_utilization=0.3", f"--trainer.default_root_dir={self.out / 'vllm_run'}"]
+        started = time.perf_counter()
+        try:
+            completed = subprocess.run([sys.executable, "-c", "from lightning_logra.cli import main; main()", *arguments], cwd=ROOT,
+                                       capture_output=True, text=True, timeout=left - 10)
+            self.result["vllm"] = {"run": True, "exit": completed.returncode, "seconds": time.perf_counter() - started,
+                                   "command": "logra " + " ".join(arguments), "output_tail": (completed.stdout + completed.stderr)[-3000:]}
+        except subprocess.TimeoutExpired:
+            self.result["vllm"] = {"run": True, "exit": None, "seconds": time.perf_counter() - started, "reason": "timed out"}
+        self.save()
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).name
+    return "cpu"
+
+
+def device_memory_gib(device: str) -> float | None:
+    import torch
+
+    return torch.cuda.get_device_properties(torch.device(device)).total_memory / GIB if device.startswith("cuda") else None
+
+
+def summary(result: dict) -> str:
+    if "error" in result:
+        return result["error"].splitlines()[-1]
+    if "fits" in result:
+        return "OOM in " + result["oom_in_phase"] if not result["fits"] else f"fits, peak {result['peak_gib']} GiB"
+    if "medians_s" in result:
+        return f"LoGRA / dense {result['logra_over_dense']:.3f}"
+    return f"peak {result['peak_gib']} GiB"
+
+
+def gib(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def render(result: dict) -> str:
+    memory = f", {result['device_memory_gib']:.1f} GiB" if result["device_memory_gib"] else ""
+    lines = [f"Device: {result['device']}{memory}. {machine_line(result['machine'])}; command: `{result['command']}`."]
+    if result["smoke"]:
+        lines.append("**Smoke run on a tiny model: no figure here is a measurement of the configs named.**")
+    lines += ["", "### Largest RL step on one device (rollout + update, float32 master weights, bf16 compute)", "",
+              "| mode | model | parameters | fits | peak GiB | build | rollout | forward + backward | KL probe | update | step s |",
+              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in result["fit"]:
+        if "error" in row:
+            lines.append(f"| {row['mode']} | {row['model']} | | error: {row['error'].splitlines()[-1][:120]} | | | | | | | |")
+            continue
+        phases = row["phases_gib"]
+        fits = "yes" if row["fits"] else f"**OOM** ({row['oom_in_phase']})"
+        step = row.get("step_s", {}).get("step")
+        lines.append(f"| {row['mode']} | {row['model']} | {row.get('parameters', 0) / 1e9:.2f}B | {fits} | {gib(row['peak_gib'])} | "
+                     + " | ".join(gib(phases.get(p)) for p in ("build", "rollout", "forward_backward", "kl_probe", "update"))
+                     + f" | {'-' if step is None else f'{step:.1f}'} |")
+    for mode in ("logra", "dense"):
+        fitting = [row["model"] for row in result["fit"] if row["mode"] == mode and row.get("fits")]
+        lines.append(f"\nLargest {mode} step that fits: {fitting[-1] if fitting else 'none measured'}.")
+    lines += ["", f"### {SIZE_SHAPE}: memory of one training step (2 micro-batches, rollout excluded)", "",
+              "| mode | tokens | peak GiB | weights GiB | gradients GiB | optimizer / LoGRA state GiB | step s |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in result["memory_1.5b"]:
+        if "error" in row:
+            lines.append(f"| {row.get('mode', '?')} | | error: {row['error'].splitlines()[-1][:120]} | | | | |")
+            continue
+        b = list(row["breakdown_gib"].values())
+        lines.append(f"| {row['mode']} | {row['tokens']} | {gib(row['peak_gib'])} | {b[0]:.2f} | {b[1]:.2f} | {b[2]:.2f} | {row['step_s']['step']:.2f} |")
+    peaks = {row["mode"]: row["peak_gib"] for row in result["memory_1.5b"] if row.get("peak_gib")}
+    if {"dense", "lora", "logra"} <= peaks.keys():
+        lines.append(f"\nLoGRA / dense AdamW = **{peaks['logra'] / peaks['dense']:.3f}**, LoGRA / LoRA-r256 = **{peaks['logra'] / peaks['lora']:.3f}**.")
+    speed = result["speed_1.5b"]
+    if speed and "medians_s" in speed:
+        lines += ["", f"### {SIZE_SHAPE}: train-step time ({SPEED_MICRO_BATCHES} micro-batches of {speed['tokens']} tokens, median of {speed['reps']})", "",
+                  "| mode | forward + backward s | update s | KL probe s | step s |", "|---|---:|---:|---:|---:|"]
+        for mode in MODES:
+            m = speed["medians_s"][mode]
+            lines.append(f"| {mode} | {m['forward_backward']:.3f} | {m['update']:.3f} | {m['kl_probe']:.3f} | {m['step']:.3f} |")
+        lines.append(f"\nLoGRA / dense = **{speed['logra_over_dense']:.3f}** ({speed['logra_over_dense_without_probe']:.3f} without the probe); "
+                     f"LoGRA / LoRA = {speed['logra_over_lora']:.3f}; probe share {100 * speed['probe_share_of_logra_step']:.0f}%.")
+    elif speed:
+        lines.append(f"\nSpeed: error: {speed['error'].splitlines()[-1][:200]}")
+    vllm = result["vllm"]
+    if vllm:
+        lines.append("\n### vLLM end to end\n\n" + (f"Not run: {vllm['reason']}." if not vllm["run"] else
+                     f"`{vllm.get('command', '')}`: exit {vllm.get('exit')}, {vllm['seconds']:.0f} s."))
+    if result["not_run"]:
+        lines.append("\nNot run: " + "; ".join(result["not_run"]) + ".")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.2))
+    rows = [row for row in result["fit"] if "phases_gib" in row]
+    labels = [f"{row['mode']}\n{row['model']}" for row in rows]
+    axis.bar(labels, [(row["peak_gib"] or 0.0) if row["fits"] else 0.0 for row in rows], label="peak GiB (fits)")
+    for index, row in enumerate(rows):
+        if not row["fits"]:
+            axis.text(index, 1, f"OOM\n({row['oom_in_phase']})", ha="center", va="bottom", color="red", fontsize=8)
+    if result["device_memory_gib"]:
+        axis.axhline(result["device_memory_gib"], color="gray", linestyle="--", label="device memory")
+    axis.set_ylabel("peak torch.cuda.max_memory_allocated, GiB")
+    axis.legend(fontsize=8)
+    axis.set_title(f"One RL step on {result['device']}, {result['machine']['date_utc'][:10]}: {result['command']}", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for gpu.json and gpu.md (default: benchmarks/results)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model for every config: checks the code paths, measures nothing")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="parts that would start later are recorded as not run")
+    parser.add_argument("--parts", nargs="+", default=["fit", "memory", "speed", "vllm"], choices=["fit", "memory", "speed", "vllm"])
+    parser.add_argument("--render", type=Path, metavar="JSON", help="only redraw gpu.md and gpu.png from a results file")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(run_child(json.loads(args.child))), flush=True)
+        return
+    if args.render:
+        result = json.loads(args.render.read_text())
+        (args.render.parent / "gpu.md").write_text(render(result) + "\n")
+        plot(result, args.render.parent / "gpu.png")
+        print(render(result))
+        return
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device here (use --device cpu --smoke to check the script)")
+    elif not args.smoke:
+        parser.error("the GPU rows need a GPU; on CPU only --smoke runs")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    run = Run(args.out, args.device, args.smoke, args.budget_s)
+    for part in args.parts:
+        getattr(run, part)()
+    run.save()
+    print(render(run.result))
+
+
+if __name__ == "__main__":
+    main()
