@@ -53,7 +53,7 @@ FIT_SIZES = {"logra": ("Qwen2.5-7B", "Qwen2.5-14B", "27B-class"), "dense": ("Qwe
 FIT_TOKENS, FIT_NEW_TOKENS, FIT_MICRO_BATCHES = 2048, 64, 2
 SIZE_SHAPE, SIZE_TOKENS, MEMORY_MICRO_BATCHES, SPEED_MICRO_BATCHES, SPEED_REPS = "Qwen2.5-1.5B", 4096, 2, 4, 5
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)
+                   num_key_value_heads=2, vocab_size=512)  # ties its embeddings as the config it stands for does
 GIB = 2**30
 
 
@@ -69,6 +69,9 @@ def build_model(shape: dict, device: "torch.device"):
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config)
     model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives the head and the embeddings separate tensors
+    if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        raise RuntimeError("the materialised model's head is not tied to its embeddings")
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.dim() >= 2:
@@ -321,7 +324,7 @@ class Run:
                        "fit": [], "memory_1.5b": [], "speed_1.5b": None, "vllm": None, "not_run": []}
 
     def shape(self, name: str) -> dict:
-        return SMOKE_SHAPE if self.smoke else QWEN_SHAPES[name]
+        return dict(SMOKE_SHAPE, tie_word_embeddings=QWEN_SHAPES[name]["tie_word_embeddings"]) if self.smoke else QWEN_SHAPES[name]
 
     def save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)

@@ -163,7 +163,7 @@ def render(result: dict) -> str:
         if "added" in row:
             added = row["added"]
             lines.append(f"Row {row['tokens_per_micro_batch']} was measured in a separate run: {machine_line(added['machine'])}; "
-                         f"median of {added['reps']} repetitions; command: `{added['command']}`.")
+                         f"median of {added['reps']} repetitions; command: `{added['command']}`." + (f" {added['note']}" if "note" in added else ""))
     return "\n".join(lines)
 
 

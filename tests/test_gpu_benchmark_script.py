@@ -25,6 +25,9 @@ def test_smoke_run_executes_every_part_and_writes_its_results(tmp_path):
     assert fit == [("logra", "Qwen2.5-7B", True, None), ("logra", "Qwen2.5-14B", True, None),
                    ("logra", "27B-class", True, None), ("dense", "Qwen2.5-1.5B", True, None),
                    ("dense", "Qwen2.5-7B", True, None), ("dense", "Qwen2.5-14B", True, None)]
+    # The smoke model ties its head as the named config does: Qwen2.5-1.5B ties, 7B does not.
+    parameters = {row["model"]: row["parameters"] for row in result["fit"] if row["mode"] == "dense"}
+    assert parameters["Qwen2.5-1.5B"] + 512 * 64 == parameters["Qwen2.5-7B"]
     for row in result["fit"]:
         assert set(row["phases_gib"]) >= {"build", "rollout", "forward_backward", "update"}
         assert row["step_s"]["step"] > 0 and row["tokens"] == 64
