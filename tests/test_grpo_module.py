@@ -70,6 +70,18 @@ def test_logra_changes_exactly_the_target_weights(model_folder):
     assert strategy.logra_optimizer.update_count == 2
 
 
+def test_logra_under_bf16_mixed_precision_probes_and_updates(model_folder):
+    # GRPOModule steps its optimizer inside training_step, so the KL probe runs under the
+    # precision plugin's autocast: float32 residual inputs, bfloat16 layer outputs.
+    grpo = module(model_folder)
+    strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
+    changed, logged = fit(grpo, model_folder, strategy=strategy, precision="bf16-mixed", callbacks=[LoGRACallback(measure_kl=True)])
+    assert changed == {f"{state.name}.weight" for state in strategy.logra_optimizer.sketches}
+    assert strategy.logra_optimizer.update_count == 2 and strategy.runtime.skipped_steps == 0
+    assert logged["logra/predicted_kl"] > 0 and logged["logra/measured_kl"] > 0
+    assert all(p.dtype == torch.float32 for p in grpo.policy.parameters())  # master weights stay float32
+
+
 def test_dense_adamw_changes_every_weight(model_folder):
     grpo = module(model_folder, activation_checkpointing=False)
     changed, logged = fit(grpo, model_folder)
