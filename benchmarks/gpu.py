@@ -44,6 +44,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_runs import ROOT, machine_info, machine_line  # noqa: E402
+
+# The device machine runs this from a copy of the checkout, with the package not installed
+# (its image has torch, transformers, peft and lightning, which is all the GPU parts need).
+sys.path.insert(1, str(ROOT))
 from model_shapes import QWEN_SHAPES  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
