@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ from cli_runs import ROOT, machine_info, machine_line  # noqa: E402
 # (its image has torch, transformers, peft and lightning, which is all the GPU parts need).
 sys.path.insert(1, str(ROOT))
 from model_shapes import QWEN_SHAPES  # noqa: E402
+from speed import alternate_modes, summarise_samples  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANK = 256
@@ -289,21 +289,7 @@ def child_speed(shape: dict, tokens: int, micro_batches: int, reps: int, device)
         return ([torch.randint(0, shape["vocab_size"], (1, tokens), generator=generator).to(device) for _ in range(micro_batches)],
                 torch.randn(micro_batches, generator=generator).tolist())
 
-    warmup = batch()
-    for trainer in trainers.values():
-        trainer.step(warmup[0][:1], warmup[1][:1])
-    samples = {mode: [] for mode in MODES}
-    for rep in range(reps):
-        inputs = batch()
-        for mode in MODES[rep % 3:] + MODES[:rep % 3]:
-            samples[mode].append(trainers[mode].step(*inputs))
-    medians = {mode: {piece: statistics.median(s[piece] for s in samples[mode]) for piece in samples[mode][0]} for mode in MODES}
-    logra = medians["logra"]
-    return {"samples": samples, "medians_s": medians,
-            "logra_over_dense": logra["step"] / medians["dense"]["step"],
-            "logra_over_dense_without_probe": (logra["step"] - logra["kl_probe"]) / medians["dense"]["step"],
-            "logra_over_lora": logra["step"] / medians["lora"]["step"],
-            "probe_share_of_logra_step": logra["kl_probe"] / logra["step"]}
+    return summarise_samples(alternate_modes(trainers, batch, reps))
 
 
 def run_child(arguments: dict) -> dict:

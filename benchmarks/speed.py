@@ -108,21 +108,37 @@ def measure_tokens(tokens: int, reps: int) -> dict:
         return ([torch.randint(0, BENCH_156M["vocab_size"], (1, tokens), generator=generator) for _ in range(MICRO_BATCHES)],
                 torch.randn(MICRO_BATCHES, generator=generator))
 
+    samples = alternate_modes(runners, batch, reps, label=f"{tokens} tokens")
+    return {"tokens_per_micro_batch": tokens, **summarise_samples(samples)}
+
+
+def alternate_modes(runners: dict, batch, reps: int, label: str | None = None) -> dict[str, list[dict]]:
+    """Each runner's ``step`` samples over ``reps`` repetitions, on the same inputs per repetition.
+
+    An untimed warm-up (the first micro-batch of one ``batch()`` and an update) per mode comes
+    first; then every repetition draws fresh inputs and runs the modes in an order that rotates
+    by one, so drift and order effects fall on every mode alike.
+    """
+    modes = tuple(runners)
     warmup_batches, warmup_advantages = batch()
-    for mode in MODES:  # one micro-batch and an update: first-call costs, not timed
+    for mode in modes:  # first-call costs, not timed
         runners[mode].step(warmup_batches[:1], warmup_advantages[:1])
-    samples = {mode: [] for mode in MODES}
+    samples = {mode: [] for mode in modes}
     for rep in range(reps):
         inputs = batch()
-        order = MODES[rep % 3:] + MODES[:rep % 3]
-        for mode in order:
+        for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
             samples[mode].append(runners[mode].step(*inputs))
-            print(f"[{tokens} tokens] rep {rep + 1}/{reps} {mode}: {samples[mode][-1]['step']:.1f} s", flush=True)
-    medians = {mode: {piece: statistics.median(s[piece] for s in samples[mode]) for piece in samples[mode][0]} for mode in MODES}
+            if label:
+                print(f"[{label}] rep {rep + 1}/{reps} {mode}: {samples[mode][-1]['step']:.1f} s", flush=True)
+    return samples
+
+
+def summarise_samples(samples: dict[str, list[dict]]) -> dict:
+    """Every sample, the per-piece medians, and LoGRA's ratios to dense and LoRA from them."""
+    medians = {mode: {piece: statistics.median(s[piece] for s in runs) for piece in runs[0]} for mode, runs in samples.items()}
     logra = medians["logra"]
     without_probe = logra["step"] - logra["kl_probe"]
     return {
-        "tokens_per_micro_batch": tokens,
         "samples": samples,
         "medians_s": medians,
         "logra_over_dense": logra["step"] / medians["dense"]["step"],
@@ -195,6 +211,7 @@ def main() -> None:
     parser.add_argument("--render", type=Path, metavar="JSON", help="only redraw .md/.png from a results file")
     parser.add_argument("--add", action="store_true", help="append the measured rows to results/speed.json instead of replacing it")
     args = parser.parse_args()
+    command = " ".join(["python", "benchmarks/speed.py", *sys.argv[1:]])
     if args.render:
         result = json.loads(args.render.read_text())
     elif args.add:
@@ -205,14 +222,14 @@ def main() -> None:
         for tokens in args.tokens:
             started = time.perf_counter()
             row = measure_tokens(tokens, args.reps)
-            row["added"] = {"command": " ".join(["python", "benchmarks/speed.py", *sys.argv[1:]]), "machine": machine_info(),
+            row["added"] = {"command": command, "machine": machine_info(),
                             "reps": args.reps, "runtime_s": time.perf_counter() - started}
             result["rows"].append(row)
             (RESULTS / "speed.json").write_text(json.dumps(result, indent=1))
     else:
         started = time.perf_counter()
         rows = [measure_tokens(tokens, args.reps) for tokens in args.tokens]
-        result = {"command": " ".join(["python", "benchmarks/speed.py", *sys.argv[1:]]), "machine": machine_info(), "reps": args.reps,
+        result = {"command": command, "machine": machine_info(), "reps": args.reps,
                   "rows": rows, "runtime_s": time.perf_counter() - started}
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "speed.json").write_text(json.dumps(result, indent=1))
