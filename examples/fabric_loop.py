@@ -39,8 +39,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     logra = lightning_logra.LoGRAConfig(rank=16, update_ratio=2e-2, kl_budget=2e-2, kl_budget_final=5e-3, schedule_steps=args.steps)
-    strategy = lightning_logra.LoGRAFabricStrategy(logra=logra, kl_controller=lightning_logra.LoGRACallback(log_memory=False))
-    fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
+    strategy = lightning_logra.LoGRAFabricStrategy(logra=logra)
+    logger = L.fabric.loggers.CSVLogger("lightning_logs", name="fabric_loop")
+    fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=strategy, loggers=logger)
     fabric.launch()
     fabric.seed_everything(0)
 
@@ -52,10 +53,13 @@ def main() -> None:
         batch = (starts + torch.arange(24) * 3) % 32  # a learnable cyclic pattern
         loss = model(batch)
         fabric.backward(loss)
-        optimizer.step()  # the LoGRA update of the targets (the KL-scaled step)
+        optimizer.step()  # the LoGRA update of the targets, scaled to the KL budget
         optimizer.zero_grad()
+        report = strategy.last_report  # what the step did: predicted KL, alpha, budget, timings
+        fabric.log_dict({"loss": loss.item(), **report.metrics()}, step=step)
         if step % 5 == 0 or step == args.steps - 1:
-            fabric.print(f"step {step:3d}  loss {loss.item():.3f}")
+            fabric.print(f"step {step:3d}  loss {loss.item():.3f}  alpha {report.alpha:.3f}  "
+                         f"predicted KL {report.predicted_kl_scaled:.2e} (budget {report.budget:.2e})")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import lightning as L
 from lightning.pytorch.loggers import MLFlowLogger
 
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
-from lightning_logra.callbacks import RunSummary
+from lightning_logra.callbacks import RunSummary, StepProgressBar
 from lightning_logra.cli import default_tracking_uri
 from lightning_logra.data import PromptDataModule
 from lightning_logra.modules import GRPOModule, OptimizerConfig, RolloutConfig
@@ -25,7 +25,7 @@ data = PromptDataModule(train="arithmetic:1", val="arithmetic:1", tokenizer="smo
 trainer = L.Trainer(
     accelerator="cpu",
     strategy=LoGRAFSDPStrategy(logra=LoGRAConfig(kl_budget=2e-3, kl_budget_final=5e-4, schedule_steps=12)),
-    callbacks=[LoGRACallback(), RunSummary()],
+    callbacks=[LoGRACallback(), RunSummary(), StepProgressBar()],
     logger=MLFlowLogger(experiment_name="quickstart", run_name="logra-python", tracking_uri=default_tracking_uri()),
     max_steps=12, val_check_interval=6, check_val_every_n_epoch=None, num_sanity_val_steps=0,
     log_every_n_steps=1, enable_checkpointing=False,

@@ -15,7 +15,6 @@ import lightning_logra  # noqa: F401  (registers the "logra_fsdp" strategy name)
 
 MLFLOW_LOGGER = "lightning.pytorch.loggers.MLFlowLogger"
 
-
 def default_tracking_uri() -> str:
     """``MLFLOW_TRACKING_URI`` if set, else an embedded SQLite store in the working folder
     (MLflow 3 refuses its old file store unless told otherwise)."""

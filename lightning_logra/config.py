@@ -39,16 +39,20 @@ class LoGRAConfig:
     # section 5: RowAdam
     beta2: float = 0.95
     epsilon: float = 1e-8
-    # section 6: global step size
+    # section 6: global step size. Constant, as in the reference (the KL budget schedule is
+    # LoGRA's schedule); true scales it by the user's lr / initial lr (Lightning strategies).
     update_ratio: float = 6e-5
-    # section 7: predicted-KL controller
+    follow_lr_schedule: bool = False
+    # section 7: predicted-KL controller. kl_control=false steps unscaled (alpha = 1).
+    kl_control: bool = True
     kl_budget: float = 2e-4
     kl_budget_final: float = 2e-5
     schedule_steps: int = 300
     alpha_max: float = 3.0
-    temperature: float = 1.0
+    temperature: float | None = None  # None: the probe batch's sampling temperature
     probe_responses: int = 2
     probe_max_tokens: int = 4096
+    probe_position_chunk: int = 128  # attention queries / scored positions per block in the probe
     mismatch_subtraction: bool = True
     mismatch_ema_weight: float = 0.3
     mismatch_budget_floor: float = 0.5
@@ -90,7 +94,10 @@ class LoGRAConfig:
             "an integer >= 1",
         )
         _require(self, "alpha_max", _finite(self.alpha_max) and self.alpha_max >= 1.0, ">= 1")
-        _positive(self, "temperature")
+        _require(self, "follow_lr_schedule", isinstance(self.follow_lr_schedule, bool), "true or false")
+        _require(self, "kl_control", isinstance(self.kl_control, bool), "true or false")
+        if self.temperature is not None:
+            _positive(self, "temperature")
         _require(
             self,
             "probe_responses",
@@ -101,6 +108,12 @@ class LoGRAConfig:
             self,
             "probe_max_tokens",
             isinstance(self.probe_max_tokens, int) and self.probe_max_tokens >= 1,
+            "an integer >= 1",
+        )
+        _require(
+            self,
+            "probe_position_chunk",
+            isinstance(self.probe_position_chunk, int) and self.probe_position_chunk >= 1,
             "an integer >= 1",
         )
         _require(self, "mismatch_subtraction", isinstance(self.mismatch_subtraction, bool), "true or false")
@@ -142,6 +155,16 @@ class LoGRAConfig:
         """Names of the fields in STRUCTURAL_FIELDS whose values differ from ``other``."""
         mine = self.to_dict()
         return [f"{name}: {other.get(name)!r} != {mine[name]!r}" for name in STRUCTURAL_FIELDS if other.get(name) != mine[name]]
+
+    def tuning_changes(self, other: dict[str, Any]) -> list[str]:
+        """``"field: old -> new"`` for every non-structural field whose value differs from
+        ``other`` (the configuration a checkpoint was written with)."""
+        mine = self.to_dict()
+        return [
+            f"{name}: {other[name]!r} -> {mine[name]!r}"
+            for name in mine
+            if name not in STRUCTURAL_FIELDS and name in other and other[name] != mine[name]
+        ]
 
 
 def _finite(value: Any) -> bool:

@@ -6,6 +6,7 @@ Computed from layer shapes alone, so a 7B or 27B configuration can be reported f
 
 from __future__ import annotations
 
+import resource
 from dataclasses import asdict, dataclass
 
 import torch
@@ -38,15 +39,6 @@ class MemoryReport:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
-
-    def summary(self) -> str:
-        mib = 2**20
-        return (
-            f"LoGRA state {self.logra_state_bytes / mib:,.1f} MiB per rank (sketch accumulator "
-            f"{self.sketch_accumulator_bytes / mib:,.1f}, "
-            f"projections {self.projection_bytes / mib:,.1f}, moments {self.second_moment_bytes / mib:,.1f}) vs dense AdamW "
-            f"{self.dense_adamw_bytes / mib:,.1f} MiB for {self.target_parameters:,} target weights in {self.layers} layers"
-        )
 
 
 def memory_report(
@@ -97,3 +89,14 @@ def memory_report(
         dense_adamw_bytes=-(-parameters // world_size) * 3 * FLOAT32,
         reference_bytes=(rows + widths) * config.rank * FLOAT32,
     )
+
+
+def peak_memory_mib() -> dict[str, float]:
+    """This process's peak memory so far: the CUDA allocator's peaks on a GPU, else the
+    process's resident-set high-water mark (Linux reports it in KiB)."""
+    if torch.cuda.is_available():
+        return {
+            "peak_allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
+            "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
+        }
+    return {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}

@@ -1,20 +1,25 @@
-"""LoGRAOptimizer: sketches in, RowAdam directions, scaled row-chunked updates out.
+"""LoGRAOptimizer: the whole LoGRA update in one call.
 
-One optimizer step is two calls, so that the KL controller can look at the update before
-it lands:
+    optimizer.zero_grad()
+    loss.backward()                                   # sketch hooks accumulate S = G A^T
+    report = optimizer.step(probe=ProbeBatch(...))    # -> StepReport
 
-    optimizer.prepare_update(normalization_tokens=N)  # reduce sketches, RowAdam, norm
-    alpha = ...                                        # KL controller (kl.py)
-    optimizer.step(alpha=alpha)                        # W -= alpha * D A, redraw A, zero S
-
-Target weights may be plain tensors or FSDP2 DTensors sharded on dim 0; each rank then
-updates only its own rows.
+``step`` reads like the spec: reduce the sketches and compute the RowAdam directions
+scaled to update_ratio (``prepare_update``), ask the KL controller for a budget, probe
+the predicted KL, scale, apply W -= alpha * D A row-chunk by row-chunk, redraw A
+(``apply_update``). A non-finite value anywhere skips the step on every rank together
+(``on_nonfinite: skip``) or raises. Target weights may be plain tensors or FSDP2 DTensors
+sharded on dim 0; each rank then updates only its own rows.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,22 +27,19 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_logra.config import LoGRAConfig
-from lightning_logra.kl import ProbeLayer
+from lightning_logra.kl import Budget, KLController, mismatch_sums
+from lightning_logra.layout import RowLayout, make_layout
+from lightning_logra.probe import ProbeBatch, ProbeLayer, measured_probe_kl, probe_logits, probe_predicted_kl
 from lightning_logra.projection import make_projection, projection_seed
+from lightning_logra.reliability import memory_phase
+from lightning_logra.report import StepReport
 from lightning_logra.row_adam import row_adam_directions
-from lightning_logra.sketch import SketchSet, install_sketches, local_row_range
+from lightning_logra.sketch import SketchSet, install_sketches
+from lightning_logra.update import PreparedUpdate, apply_directions, local_rows, update_square_norm
 
-
-@dataclass(frozen=True)
-class PreparedUpdate:
-    """What prepare_update computed; directions are already scaled to update_ratio. They
-    occupy the spent sketch buffers, so they are valid until step() or skip_update()."""
-
-    directions: list[torch.Tensor]  # local rows x rank, float32, per layer
-    moments: list[torch.Tensor]  # RowAdam second moments after this step, committed by step()
-    sketch_norm: float  # ||S_hat||_F over all layers
-    weight_norm: float  # ||W||_F over all target weights
-    update_norm: float  # ||D A||_F over all layers (= update_ratio * weight_norm)
+# What shrinks each phase's memory, for the error an out-of-memory in it raises.
+UPDATE_HINT = "logra.row_chunk (rows updated at a time), logra.rank"
+PROBE_HINT = "logra.probe_responses, logra.probe_max_tokens, logra.probe_position_chunk"
 
 
 class LoGRAOptimizer(torch.optim.Optimizer):
@@ -45,7 +47,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
     Constructing it installs the sketches and, as in the paper, freezes every non-target
     parameter (``freeze_non_targets=False`` leaves them to another optimizer). The single
-    param group's ``lr`` is the update ratio, so learning-rate schedulers scale it.
+    param group's ``lr`` is the update ratio. State (row moments, counters, the KL
+    controller's mismatch EMA) is saved by ``state_dict`` as tensors only.
     """
 
     def __init__(
@@ -65,49 +68,116 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.model = model
         self.config = config
         self.sketches: SketchSet = sketches
+        self.controller = KLController(config)
+        self.layout: RowLayout = make_layout(config.sketch_reduction, sketches)
+        for state in sketches:
+            state.second_moment = self.layout.local_moment(state)
         self.update_count = 0
-        self.mismatch = 0.0
-        self._rows = [local_row_range(state.weight) for state in sketches]
-        self._weight_group = _weight_group(sketches)
-        world = dist.get_world_size(self._weight_group) if self._weight_group is not None else 1
-        self.reduction = _resolve_reduction(config.sketch_reduction, world, self._weight_group is not None)
-        if self.reduction == "reduce_scatter":
-            for state, (start, stop) in zip(sketches, self._rows):
-                state.second_moment = state.second_moment[start:stop].clone()
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
         self._prepared: PreparedUpdate | None = None
         self._coverage_checked = False
 
-    # ----------------------------------------------------------------------------- step 1
+    @property
+    def mismatch(self) -> float:
+        return self.controller.mismatch
+
+    # ----------------------------------------------------------------------------- one step
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        probe: ProbeBatch | dict | None = None,
+        logprob_pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        normalization_tokens: float | torch.Tensor = 1.0,
+        process_group: dist.ProcessGroup | None = None,
+        measure_kl: bool = False,
+        allow_no_backward: bool = False,
+    ) -> StepReport | None:
+        """One LoGRA update: prepare -> budget -> probe -> scale -> apply -> redraw.
+
+        ``probe``: responses to predict the KL on (``ProbeBatch`` or its dict form; its
+        first ``probe_responses`` rows are probed); needed unless ``kl_control`` is off. ``logprob_pairs``: (rollout log-probs, trainer
+        log-probs, mask of EOS-terminated completion tokens) for the mismatch term.
+        ``normalization_tokens``: the global count of loss-bearing tokens when the loss is
+        a sum over tokens (1 for a mean loss). ``process_group``: the data-parallel group
+        (default: the whole world when torch.distributed is initialised). With
+        ``measure_kl`` the true KL of the applied update on the probe is reported too.
+        With ``allow_no_backward``, a step where no rank ran backward returns None and
+        changes nothing (Lightning skips a step whose training_step returned None).
+        """
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        group = _data_group(process_group)
+        calls = self.backward_calls(group)
+        if allow_no_backward and not calls.any():
+            self.skip_update()
+            return None
+        config = self.config
+        probe = _probe_batch(probe, config)
+        timings = {"prepare_s": 0.0, "probe_s": 0.0, "apply_s": 0.0}
+        budget = prediction = alpha = measured = None
+        try:
+            with _timed(timings, "prepare_s"), memory_phase("update", UPDATE_HINT):
+                prepared = self.prepare_update(normalization_tokens=normalization_tokens, process_group=group,
+                                               backward_calls=calls)
+            with _timed(timings, "probe_s"), memory_phase("probe", PROBE_HINT):
+                if probe is not None:
+                    pairs = None if logprob_pairs is None else mismatch_sums(*logprob_pairs)
+                    budget = self.controller.budget(self.update_count, pairs, group)
+                    prediction = self.predict_kl(probe, group)
+                    alpha = self.controller.scale(prediction, budget)
+                    before = probe_logits(self.model, probe, max_tokens=config.probe_max_tokens,
+                                          process_group=group) if measure_kl else None
+                else:
+                    alpha = 1.0
+            with _timed(timings, "apply_s"), memory_phase("update", UPDATE_HINT):
+                self.apply_update(alpha=alpha, budget=budget)
+            if measure_kl and probe is not None:
+                after = probe_logits(self.model, probe, max_tokens=config.probe_max_tokens, process_group=group)
+                measured = measured_probe_kl(before, after, temperature=self._temperature(probe), process_group=group)
+        except FloatingPointError as error:
+            # Sketch flags, the probe and alpha are reduced across ranks, so every rank
+            # lands here together and stays consistent.
+            if config.on_nonfinite == "raise":
+                self.skip_update()
+                raise
+            return self._skip(error, timings)
+        self.consecutive_skips = 0
+        return StepReport(
+            update=self.update_count - 1, skipped=False, skip_reason=None, skipped_steps=self.skipped_steps,
+            alpha=alpha, predicted_kl=prediction,
+            predicted_kl_scaled=None if prediction is None else alpha**2 * prediction,
+            budget=None if budget is None else budget.effective, mismatch=self.controller.mismatch,
+            measured_kl=measured, sketch_norm=prepared.sketch_norm, weight_norm=prepared.weight_norm,
+            update_norm=prepared.update_norm, update_ratio=self.param_groups[0]["lr"], **timings,
+        )
+
+    # ----------------------------------------------------------------------------- the pieces
     @torch.no_grad()
     def prepare_update(
         self,
         *,
         normalization_tokens: float | torch.Tensor,
         process_group: dist.ProcessGroup | None = None,
+        backward_calls: torch.Tensor | None = None,
     ) -> PreparedUpdate:
         """Reduce the sketches over data-parallel ranks, divide by the global count of
         loss-bearing tokens, and compute the RowAdam directions scaled so that the whole
-        update has norm lr * ||W||. Nothing is applied and no state changes until step()."""
+        update has norm lr * ||W||. Nothing is applied and no state changes until
+        apply_update(). ``backward_calls``: this step's already reduced counts, if known."""
         if self._prepared is not None:
-            raise RuntimeError("an update is already prepared: step() or skip_update() it before preparing another")
+            raise RuntimeError("an update is already prepared: apply_update() or skip_update() it before preparing another")
         tokens = float(normalization_tokens)
         if not math.isfinite(tokens) or tokens <= 0:
             raise ValueError(f"normalization_tokens must be a finite count > 0, got {tokens}")
-        distributed = dist.is_available() and dist.is_initialized()
-        group = process_group if process_group is not None else (dist.group.WORLD if distributed else None)
-        self._check_backward_reached(group if distributed else None)
+        group = _data_group(process_group)
+        self._check_backward_reached(self.backward_calls(group) if backward_calls is None else backward_calls)
 
-        # S_hat = (sum over ranks / world) / N, divided in place: the sketches are spent
-        # once an update is prepared, whether it is then applied or skipped.
-        if self.reduction == "reduce_scatter":
-            normalized = [sketch.div_(tokens) for sketch in self._reduce_scatter(self._weight_group)]
-        else:
-            world = dist.get_world_size(group) if distributed else 1
-            if world > 1:
-                dist.all_reduce(self.sketches.buffer, op=dist.ReduceOp.SUM, group=group)
-            self.sketches.buffer.div_(world * tokens)
-            normalized = [state.sketch for state in self.sketches]
-
+        # The sketches are spent once an update is prepared, whether it is then applied or
+        # skipped: the reduction and RowAdam run in place in them.
+        normalized = self.layout.reduce(tokens, group)
         moments = [state.second_moment.clone() for state in self.sketches]
         directions = row_adam_directions(
             normalized,
@@ -116,21 +186,18 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             beta2=self.config.beta2,
             epsilon=self.config.epsilon,
             names=[state.name for state in self.sketches],
-            row_group=self._weight_group if self.reduction == "reduce_scatter" else None,
+            row_group=self.layout.row_group,
             inplace=True,  # the spent sketches become the directions: no second d x r buffer
         )
-        if self.reduction == "all_reduce" and self._weight_group is not None:
-            # Replicated RowAdam, row-sharded weights: keep only the rows this rank updates.
-            directions = [d[start:stop].clone() for d, (start, stop) in zip(directions, self._rows)]
+        directions = self.layout.own_rows(directions)
 
         squares = torch.zeros(3, dtype=torch.float64, device=self.sketches.buffer.device)
         for state, direction in zip(self.sketches, directions):
             # float64 accumulation without a float64 copy of the weight
             squares[0] += torch.linalg.vector_norm(direction, dtype=torch.float64).square()  # = ||S_hat|| per layer
-            squares[1] += torch.linalg.vector_norm(_local(state.weight), dim=1).double().square().sum()
-            squares[2] += _update_square_norm(direction, state.projection)
-        if self._weight_group is not None:
-            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self._weight_group)
+            squares[1] += torch.linalg.vector_norm(local_rows(state.weight), dim=1).double().square().sum()
+            squares[2] += update_square_norm(direction, state.projection)
+        self.layout.sum_over_shards(squares)
         sketch_square, weight_square, update_square = squares.tolist()
         ratio = self.param_groups[0]["lr"]
         factor = ratio * math.sqrt(weight_square / update_square) if update_square > 0 else 0.0
@@ -145,34 +212,33 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         )
         return self._prepared
 
-    # ----------------------------------------------------------------------------- step 2
+    def predict_kl(self, probe: ProbeBatch, process_group: dist.ProcessGroup | None = None) -> float:
+        """Predicted KL of the prepared (unscaled) update on ``probe``, averaged over the
+        scored positions of every rank in the group."""
+        config = self.config
+        return probe_predicted_kl(
+            self.model, self.probe_layers(), probe,
+            temperature=self._temperature(probe), max_tokens=config.probe_max_tokens,
+            position_chunk=config.probe_position_chunk, process_group=process_group,
+        )
+
     @torch.no_grad()
-    def step(self, closure: Any = None, *, alpha: float = 1.0) -> Any:
-        """Apply W -= alpha * D A to the local weight rows, 256 rows at a time; then count
+    def apply_update(self, *, alpha: float = 1.0, budget: Budget | None = None) -> None:
+        """Apply W -= alpha * D A to the local weight rows, ``row_chunk`` rows at a time;
+        then commit the moments (and the controller's mismatch EMA with ``budget``), count
         the update, redraw the projections and zero the sketches."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         if self._prepared is None:
-            raise RuntimeError("LoGRAOptimizer.step() needs prepare_update() first: no update is prepared")
+            raise RuntimeError("apply_update() needs prepare_update() first: no update is prepared")
         alpha = float(alpha)
         if not math.isfinite(alpha) or alpha < 0:
             raise FloatingPointError(f"step scale alpha must be finite and >= 0, got {alpha}; no weight was changed")
-        workspace = _UpdateWorkspace.allocate(self.sketches, self._rows, self.config)
-        # Everything below runs in preallocated memory: an out-of-memory error can only
-        # happen above, before any weight has changed, never halfway through the layers.
-        for state, direction, (start, stop) in zip(self.sketches, self._prepared.directions, self._rows):
-            weight = _local(state.weight)
-            scaled, projection = workspace.scaled_and_projection(direction, state.projection, alpha)
-            for row in range(0, stop - start, self.config.row_chunk):
-                rows = slice(row, min(row + self.config.row_chunk, stop - start))
-                weight[rows].addmm_(scaled[rows], projection, alpha=-1.0)  # in place: no product tensor
+        apply_directions(self.sketches, self._prepared.directions, self.layout.rows, alpha, self.config)
         for state, moment in zip(self.sketches, self._prepared.moments):
             state.second_moment.copy_(moment)
+        if budget is not None:
+            self.controller.commit(budget)
         self.update_count += 1
         self._finish_step()
-        return loss
 
     def skip_update(self) -> None:
         """Drop the prepared update and this step's sketches without touching any weight,
@@ -194,40 +260,58 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         (gathered from the owning ranks when rows are sharded)."""
         if self._prepared is None:
             raise RuntimeError("no update is prepared: call prepare_update() before probing it")
-        directions = self._prepared.directions
-        if self._weight_group is not None:
-            directions = [_gather_rows(d, state.weight.shape[0], self._weight_group) for d, state in zip(directions, self.sketches)]
+        directions = self.layout.full_rows(self._prepared.directions)
         return [
             ProbeLayer(module=state.module, projection=state.projection, direction=direction)
             for state, direction in zip(self.sketches, directions)
         ]
 
+    def backward_calls(self, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """Backward passes that reached each target since the last step, summed over ``group``."""
+        calls = torch.tensor([state.backward_calls for state in self.sketches], dtype=torch.float64, device=self.sketches.buffer.device)
+        if group is not None:
+            dist.all_reduce(calls, op=dist.ReduceOp.SUM, group=group)
+        return calls
+
     # ----------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
+        """Tensors only (the configuration and layer names as UTF-8 JSON bytes), so that
+        ``torch.load(..., weights_only=True)`` and DCP load it without unpickling code."""
         return {
-            "logra_config": self.config.to_dict(),
-            "layers": [state.name for state in self.sketches],
-            "update_count": self.update_count,
-            "mismatch": self.mismatch,
-            "second_moments": {state.name: self._moment_for_saving(state) for state in self.sketches},
-            "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups],
+            "config": _json_tensor(self.config.to_dict()),
+            "layers": _json_tensor([state.name for state in self.sketches]),
+            "update_count": torch.tensor([self.update_count], dtype=torch.int64),
+            "skipped_steps": torch.tensor([self.skipped_steps], dtype=torch.int64),
+            "mismatch": torch.tensor([self.controller.mismatch], dtype=torch.float64),
+            "lr": torch.tensor([self.param_groups[0]["lr"]], dtype=torch.float64),
+            "second_moments": {state.name: self.layout.moment_to_save(state) for state in self.sketches},
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore moments, counter and mismatch EMA; re-derive the projections. A state
-        written with another LoGRA configuration or other target layers is a ValueError."""
-        missing = {"logra_config", "layers", "update_count", "mismatch", "second_moments"} - set(state_dict)
+    def check_state(self, state_dict: dict[str, Any]) -> list[str]:
+        """Raise ``ValueError`` if ``state_dict`` cannot be resumed (another structural
+        configuration, other target layers, not a LoGRA state); return the non-structural
+        changes as ``"field: old -> new"``. Nothing is loaded."""
+        missing = {"config", "layers", "update_count", "skipped_steps", "mismatch", "lr", "second_moments"} - set(state_dict)
         if missing:
             raise ValueError(f"not a LoGRA optimizer state: missing {sorted(missing)}")
-        mismatches = self.config.structural_mismatches(state_dict["logra_config"])
+        saved = _from_json_tensor(state_dict["config"])
+        mismatches = self.config.structural_mismatches(saved)
         if mismatches:
             raise ValueError("checkpoint was written with another LoGRA configuration: " + "; ".join(mismatches))
+        layers = _from_json_tensor(state_dict["layers"])
         names = [state.name for state in self.sketches]
-        if list(state_dict["layers"]) != names:
+        if layers != names:
             raise ValueError(
-                f"checkpoint targets {len(state_dict['layers'])} layers that differ from this model's {len(names)}: "
-                f"first difference at {_first_difference(state_dict['layers'], names)}"
+                f"checkpoint targets {len(layers)} layers that differ from this model's {len(names)}: "
+                f"first difference at {_first_difference(layers, names)}"
             )
+        return self.config.tuning_changes(saved)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore moments, counters and the mismatch EMA; re-derive the projections.
+        Resuming with other tuning fields (kl_budget, update_ratio, ...) is allowed and
+        warns, listing each changed field with its old and new value."""
+        changes = self.check_state(state_dict)
         moments = []
         for state in self.sketches:
             moment = state_dict["second_moments"][state.name]
@@ -237,15 +321,40 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             if not torch.isfinite(moment).all():
                 raise ValueError(f"second moment of {state.name} in the checkpoint is not finite")
             moments.append(moment)
+        if changes:
+            warnings.warn("resuming LoGRA with changed settings: " + "; ".join(changes), stacklevel=2)
         for state, moment in zip(self.sketches, moments):
             state.second_moment.copy_(moment)
-        self.update_count = int(state_dict["update_count"])
-        self.mismatch = float(state_dict["mismatch"])
-        for group, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
-            group.update(saved)
+        self.update_count = int(state_dict["update_count"].item())
+        self.skipped_steps = int(state_dict["skipped_steps"].item())
+        self.controller.mismatch = float(state_dict["mismatch"].item())
+        if not any(change.startswith("update_ratio:") for change in changes):  # else the new ratio holds
+            self.param_groups[0]["lr"] = float(state_dict["lr"].item())
         self._finish_step()
 
     # ----------------------------------------------------------------------------- helpers
+    def _temperature(self, probe: ProbeBatch) -> float:
+        """An explicit logra.temperature wins; else the probe's sampling temperature."""
+        return self.config.temperature if self.config.temperature is not None else probe.temperature
+
+    def _skip(self, error: FloatingPointError, timings: dict[str, float]) -> StepReport:
+        """No weight changes; too many skips in a row stop the run."""
+        self.skip_update()
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        if self.consecutive_skips >= self.config.max_consecutive_skips:
+            raise FloatingPointError(
+                f"LoGRA skipped {self.consecutive_skips} consecutive steps "
+                f"(max_consecutive_skips={self.config.max_consecutive_skips}); last: {error}"
+            ) from error
+        warnings.warn(f"LoGRA skipped a step ({self.skipped_steps} so far, no weight changed): {error}", stacklevel=3)
+        return StepReport(
+            update=self.update_count, skipped=True, skip_reason=str(error), skipped_steps=self.skipped_steps,
+            alpha=None, predicted_kl=None, predicted_kl_scaled=None, budget=None, mismatch=self.controller.mismatch,
+            measured_kl=None, sketch_norm=None, weight_norm=None, update_norm=None,
+            update_ratio=self.param_groups[0]["lr"], **timings,
+        )
+
     def _finish_step(self) -> None:
         self._prepared = None
         self.sketches.zero_()
@@ -260,15 +369,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 make_projection(rank, width, seed, device=state.projection.device, dtype=state.projection.dtype, distribution=self.config.distribution)
             )
 
-    def backward_calls(self, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-        """Backward passes that reached each target since the last step, summed over ``group``."""
-        calls = torch.tensor([state.backward_calls for state in self.sketches], dtype=torch.float64, device=self.sketches.buffer.device)
-        if group is not None:
-            dist.all_reduce(calls, op=dist.ReduceOp.SUM, group=group)
-        return calls
-
-    def _check_backward_reached(self, group: dist.ProcessGroup | None) -> None:
-        calls = self.backward_calls(group)
+    def _check_backward_reached(self, calls: torch.Tensor) -> None:
         if not calls.any():
             raise RuntimeError(
                 "prepare_update() found no backward pass since the last step or zero_grad(): "
@@ -284,123 +385,41 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 )
             self._coverage_checked = True
 
-    def _reduce_scatter(self, group: dist.ProcessGroup) -> list[torch.Tensor]:
-        world = dist.get_world_size(group)
-        pending = []
-        for state, (start, stop) in zip(self.sketches, self._rows):
-            rows, rank = state.sketch.shape
-            chunk = -(-rows // world)
-            source = state.sketch
-            if chunk * world == rows:
-                # In place: this rank's block of its own sketch receives the reduced rows,
-                # so the reduction needs no memory beyond the accumulator.
-                received = source[start : start + chunk]
-            else:  # FSDP2's uneven split: pad the last ranks' blocks
-                source = torch.zeros(chunk * world, rank, dtype=source.dtype, device=source.device)
-                source[:rows] = state.sketch
-                received = torch.empty(chunk, rank, dtype=source.dtype, device=source.device)
-            work = dist.reduce_scatter_single(received, source, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            pending.append((work, received, stop - start))
-        local = []
-        for work, received, count in pending:
-            work.wait()
-            local.append(received[:count].div_(world))
-        return local
 
-    def _moment_for_saving(self, state) -> torch.Tensor:
-        if self.reduction != "reduce_scatter":
-            return state.second_moment
-        from torch.distributed.tensor import DTensor, Shard
-
-        mesh = state.weight.device_mesh
-        rows = state.weight.shape[0]
-        return DTensor.from_local(state.second_moment, mesh, [Shard(0)], run_check=False, shape=(rows, 1), stride=(1, 1))
-
-
-@dataclass
-class _UpdateWorkspace:
-    """Buffers for applying W -= (alpha D rounded) A without allocating once started."""
-
-    scaled: torch.Tensor  # rows x rank, compute dtype
-    rounded: torch.Tensor  # rows x rank, the update factor dtype (rounding happens on copy)
-    projection: torch.Tensor  # rank x width, compute dtype
-
-    @classmethod
-    def allocate(cls, sketches: SketchSet, rows: list[tuple[int, int]], config: LoGRAConfig) -> _UpdateWorkspace:
-        dtypes = {_local(state.weight).dtype for state in sketches}
-        if len(dtypes) != 1:
-            raise ValueError(f"LoGRA target weights must share one dtype, found {sorted(map(str, dtypes))}")
-        compute = dtypes.pop()
-        if compute not in (torch.float32, torch.float64):
-            raise ValueError(f"LoGRA needs float32 master weights for its targets, found {compute}")
-        most_rows = max(stop - start for start, stop in rows)
-        widest = max(state.projection.shape[1] for state in sketches)
-        rank = sketches.states[0].projection.shape[0]
-        device = sketches.buffer.device
-        factor = getattr(torch, config.update_factor_dtype)
-        return cls(
-            scaled=torch.empty(most_rows, rank, dtype=compute, device=device),
-            rounded=torch.empty(most_rows, rank, dtype=factor, device=device),
-            projection=torch.empty(rank, widest, dtype=compute, device=device),
-        )
-
-    def scaled_and_projection(self, direction: torch.Tensor, projection: torch.Tensor, alpha: float):
-        rows = direction.shape[0]
-        scaled = self.scaled[:rows].copy_(direction).mul_(alpha)
-        scaled.copy_(self.rounded[:rows].copy_(scaled))  # alpha * D rounded to the factor dtype
-        if projection.dtype == self.projection.dtype:
-            return scaled, projection
-        return scaled, self.projection[:, : projection.shape[1]].copy_(projection)
-
-
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    return weight.to_local() if hasattr(weight, "to_local") else weight
-
-
-def _update_square_norm(direction: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
-    """||D A||_F^2 through the r x r Gram matrix A A^T: no rows x width tensor is formed.
-
-    The Gram matrix is computed in float32, which is exact for Rademacher projections (sums
-    of +-1/r) and within float32 round-off for Gaussian ones; the rest runs in float64."""
-    projection = projection.float()
-    gram = (projection @ projection.T).double()
-    direction = direction.double()
-    return ((direction @ gram) * direction).sum()
-
-
-def _weight_group(sketches: SketchSet) -> dist.ProcessGroup | None:
-    """The process group over which target weights are row-sharded (None if unsharded)."""
-    from torch.distributed.tensor import DTensor
-
-    sharded = [isinstance(state.weight, DTensor) for state in sketches]
-    if not any(sharded):
+def _probe_batch(probe: ProbeBatch | dict | None, config: LoGRAConfig) -> ProbeBatch | None:
+    if not config.kl_control:
         return None
-    if not all(sharded):
-        raise ValueError("either every LoGRA target weight is an FSDP2 DTensor or none is")
-    groups = {state.weight.device_mesh.get_group() for state in sketches}
-    if len(groups) != 1:
-        raise ValueError("LoGRA target weights are sharded over different process groups")
-    return groups.pop()
+    if probe is None:
+        raise ValueError(
+            "LoGRA's KL control needs probe responses: pass step(probe=ProbeBatch(...)) (in Lightning, define "
+            "logra_probe_batch() on the module, or train on dict batches with 'input_ids'), "
+            "or set logra.kl_control=false to step unscaled"
+        )
+    return ProbeBatch.from_mapping(probe).first_rows(config.probe_responses)
 
 
-def _resolve_reduction(requested: str, world: int, sharded: bool) -> str:
-    if requested == "auto":
-        return "reduce_scatter" if sharded and world > 1 else "all_reduce"
-    if requested == "reduce_scatter" and not sharded:
-        if world > 1:
-            raise ValueError("sketch_reduction='reduce_scatter' needs target weights row-sharded with FSDP2")
-        return "all_reduce"  # one rank owns every row: both reductions are the identity
-    return requested
+def _data_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``process_group``, else the whole world when torch.distributed is initialised."""
+    if process_group is not None:
+        return process_group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def _gather_rows(local: torch.Tensor, rows: int, group: dist.ProcessGroup) -> torch.Tensor:
-    world = dist.get_world_size(group)
-    chunk = -(-rows // world)
-    padded = torch.zeros(chunk, local.shape[1], dtype=local.dtype, device=local.device)
-    padded[: local.shape[0]] = local
-    gathered = torch.empty(chunk * world, local.shape[1], dtype=local.dtype, device=local.device)
-    dist.all_gather_single(gathered, padded, group=group)
-    return gathered[:rows]
+@contextmanager
+def _timed(timings: dict[str, float], key: str) -> Iterator[None]:
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] += time.perf_counter() - started
+
+
+def _json_tensor(value: Any) -> torch.Tensor:
+    return torch.tensor(list(json.dumps(value, sort_keys=True).encode("utf-8")), dtype=torch.uint8)
+
+
+def _from_json_tensor(tensor: torch.Tensor) -> Any:
+    return json.loads(bytes(tensor.to(torch.uint8).tolist()).decode("utf-8"))
 
 
 def _first_difference(saved: list[str], current: list[str]) -> str:

@@ -12,24 +12,16 @@ import torch.distributed as dist
 
 from lightning_logra.sketch import SketchSet
 
-MEMORY_KNOBS = {
-    "rollout": "rollout.max_new_tokens, rollout.num_generations, prompts per step (data batch_size), "
-    "rollout.gpu_memory_utilization (vLLM)",
-    "backward": "micro_batch_size, activation_checkpointing=true, logprob_chunk_size",
-    "update": "logra.row_chunk (rows updated at a time), logra.rank",
-    "probe": "logra.probe_responses, logra.probe_max_tokens, LoGRACallback(position_chunk=...)",
-}
-
-
 @contextmanager
-def memory_phase(phase: str):
-    """Re-raise an out-of-memory error naming the phase and the settings that shrink it."""
+def memory_phase(phase: str, settings: str):
+    """Re-raise an out-of-memory error naming the phase and the caller's ``settings`` that
+    shrink it (each caller knows its own knobs)."""
     try:
         yield
     except torch.OutOfMemoryError as error:
         raise torch.OutOfMemoryError(
             f"out of memory during the {phase} phase of the RL step; settings that reduce it: "
-            f"{MEMORY_KNOBS[phase]}. Original error: {error}"
+            f"{settings}. Original error: {error}"
         ) from error
 
 

@@ -15,7 +15,8 @@ SEQUENCE = 10
 
 
 def config(**overrides) -> LoGRAConfig:
-    return LoGRAConfig(**{"rank": 8, "update_ratio": 1e-3, "update_factor_dtype": "float32", **overrides})
+    """Unscaled steps (alpha = 1) unless overridden, to compare with the plain engine."""
+    return LoGRAConfig(**{"rank": 8, "update_ratio": 1e-3, "update_factor_dtype": "float32", "kl_control": False, **overrides})
 
 
 def token_rows(count: int = 32, seed: int = 0) -> torch.Tensor:
@@ -75,7 +76,7 @@ def reference_weights(steps: int, global_batch: int, logra: LoGRAConfig, micro_b
         for part in batch.chunk(micro_batches):
             (model(input_ids=part, labels=part).loss / micro_batches).backward()
         optimizer.prepare_update(normalization_tokens=1)
-        optimizer.step(alpha=1.0)
+        optimizer.apply_update(alpha=1.0)
     return [state.weight.detach().clone() for state in optimizer.sketches]
 
 

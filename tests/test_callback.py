@@ -1,5 +1,6 @@
 """LoGRACallback: the KL controller's alpha, budget and logged metrics under the Trainer."""
 
+import dataclasses
 import math
 import warnings
 
@@ -47,7 +48,7 @@ class WithMismatch(CausalLM):
 
 def fit(module, logra, steps=3):
     logger = RecordingLogger()
-    strategy = LoGRAFSDPStrategy(logra=logra)
+    strategy = LoGRAFSDPStrategy(logra=dataclasses.replace(logra, kl_control=True))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer(strategy, max_steps=steps, logger=logger, log_every_n_steps=1,

@@ -90,6 +90,7 @@ def test_validate_rows_can_skip_and_count():
     rows = [GOOD_ROWS[0], BAD_ROWS[0][0], GOOD_ROWS[1], BAD_ROWS[4][0]]
     valid, skipped = validate_rows(rows, "memory", skip_invalid_rows=True)
     assert valid == GOOD_ROWS and skipped == 2
+    assert validate_rows(GOOD_ROWS, "memory") == (GOOD_ROWS, 0)  # same shape without skipping
 
 
 def test_arithmetic_rows_are_deterministic_and_correct():
@@ -108,7 +109,7 @@ def test_reasoning_gym_rows():
     rows = reasoning_gym_rows("basic_arithmetic", 3, seed=1)
     assert rows == reasoning_gym_rows("basic_arithmetic", 3, seed=1)
     assert len(rows) == 3
-    assert validate_rows(rows, "reasoning_gym:basic_arithmetic") == rows
+    assert validate_rows(rows, "reasoning_gym:basic_arithmetic") == (rows, 0)
 
 
 def test_datamodule_renders_chat_prompts_and_batches(tmp_path):

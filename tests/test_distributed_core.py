@@ -44,7 +44,7 @@ def run_steps(model, optimizer, steps, part=None, on_sketch=None):
         if on_sketch is not None:
             on_sketch(optimizer)
         optimizer.prepare_update(normalization_tokens=4)
-        optimizer.step(alpha=1.0)
+        optimizer.apply_update(alpha=1.0)
 
 
 def full(weight):
@@ -62,14 +62,14 @@ def single_process_result(sketch_reduction="all_reduce"):
 def _replicated_worker(rank, world):
     model, steps = model_and_data()
     optimizer = LoGRAOptimizer(model, LoGRAConfig(rank=16, target_modules=TARGETS, update_factor_dtype="float32"))
-    local, reduced = [], []
+    local = []
 
     def capture(o):
         if not local:
             local.append(o.sketches.buffer.clone())
 
     run_steps(model, optimizer, steps, part=(rank, world), on_sketch=capture)
-    return {"weights": [full(s.weight) for s in optimizer.sketches], "local_sketch": local[0], "reduction": optimizer.reduction}
+    return {"weights": [full(s.weight) for s in optimizer.sketches], "local_sketch": local[0], "reduction": optimizer.layout.name}
 
 
 def test_all_reduced_sketches_and_update_equal_the_single_process_batch():
@@ -98,7 +98,7 @@ def _sharded_worker(rank, world, sketch_reduction):
     moment = optimizer.state_dict()["second_moments"]["up_proj"]
     return {
         "weights": [full(s.weight) for s in optimizer.sketches],
-        "reduction": optimizer.reduction,
+        "reduction": optimizer.layout.name,
         "moment_rows": optimizer.sketches.states[0].second_moment.shape[0],
         "moment_is_dtensor": isinstance(moment, DTensor),
         "moment_full": full(moment),

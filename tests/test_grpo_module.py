@@ -77,9 +77,32 @@ def test_logra_under_bf16_mixed_precision_probes_and_updates(model_folder):
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
     changed, logged = fit(grpo, model_folder, strategy=strategy, precision="bf16-mixed", callbacks=[LoGRACallback(measure_kl=True)])
     assert changed == {f"{state.name}.weight" for state in strategy.logra_optimizer.sketches}
-    assert strategy.logra_optimizer.update_count == 2 and strategy.runtime.skipped_steps == 0
+    assert strategy.logra_optimizer.update_count == 2 and strategy.logra_optimizer.skipped_steps == 0
     assert logged["logra/predicted_kl"] > 0 and logged["logra/measured_kl"] > 0
     assert all(p.dtype == torch.float32 for p in grpo.policy.parameters())  # master weights stay float32
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_logra_step_size_ignores_the_lr_schedule_unless_asked(model_folder, follow):
+    # GRPOModule's default schedule warms up over 9 steps: lr / initial lr = 1/9 at step 0.
+    grpo = module(model_folder, optimizer=OptimizerConfig())
+    strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, follow_lr_schedule=follow))
+    fit(grpo, model_folder, strategy=strategy, steps=1)
+    report = strategy.last_report
+    expected = 6e-5 * (lr_factor(0, OptimizerConfig()) if follow else 1.0)  # the reference keeps 6e-5
+    assert report.update_ratio == pytest.approx(expected, rel=1e-12)
+    assert report.update_norm == pytest.approx(expected * report.weight_norm, rel=1e-9)
+
+
+def test_probe_batch_answers_different_prompts_at_the_sampling_temperature(model_folder):
+    grpo = module(model_folder, rollout=RolloutConfig(num_generations=2, max_new_tokens=6, temperature=0.7))
+    strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8))
+    fit(grpo, model_folder, strategy=strategy, steps=1)
+    probe = grpo.logra_probe_batch()
+    assert probe["temperature"] == 0.7
+    rows = grpo._last["input_ids"]  # group layout: [p0 g0, p0 g1, p1 g0, p1 g1]
+    assert torch.equal(probe["input_ids"], rows[[0, 2, 1, 3]])  # one sample of each prompt first
+    assert strategy.last_report.budget is not None and not strategy.last_report.skipped
 
 
 def test_dense_adamw_changes_every_weight(model_folder):

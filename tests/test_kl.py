@@ -6,7 +6,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lightning_logra import LoGRAConfig, LoGRAOptimizer, kl_step_scale, predicted_kl, probe_predicted_kl, scheduled_budget
+from lightning_logra import LoGRAConfig, LoGRAOptimizer, ProbeBatch, kl_step_scale, predicted_kl, probe_predicted_kl, scheduled_budget
 from lightning_logra.kl import effective_budget, measured_kl, observed_mismatch, update_mismatch
 
 
@@ -103,10 +103,10 @@ def logits_of(model, input_ids, attention_mask):
 def test_jvp_probe_predicts_the_measured_kl_of_the_applied_update():
     model, optimizer = prepared_model()
     input_ids, attention_mask, logits_mask = sequences()
-    prediction = probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask, position_chunk=5)
+    prediction = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask), position_chunk=5)
     alpha = kl_step_scale(prediction, budget=1e-4, alpha_max=3.0)
     before = logits_of(model, input_ids, attention_mask)
-    optimizer.step(alpha=alpha)
+    optimizer.apply_update(alpha=alpha)
     after = logits_of(model, input_ids, attention_mask)
     measured = measured_kl(before, after, mask=logits_mask).item()
     assert measured > 0
@@ -118,9 +118,9 @@ def test_probe_under_bf16_autocast_matches_the_float32_probe():
     # float32 residual inputs, bfloat16 layer outputs and tangents.
     model, optimizer = prepared_model()
     input_ids, attention_mask, logits_mask = sequences()
-    reference = probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask)
+    reference = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        mixed = probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask)
+        mixed = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask))
     # bfloat16 rounds each operation to 2^-9 (0.2%) relative; the errors of a 2-layer model
     # partly cancel in the mean over positions (measured: 0.07%), so 1% is a loose bound.
     assert mixed == pytest.approx(reference, rel=0.01)
@@ -130,7 +130,7 @@ def test_probe_under_bf16_autocast_matches_the_float32_probe():
 def test_chunked_head_path_equals_full_logits_path():
     model, optimizer = prepared_model()
     input_ids, attention_mask, logits_mask = sequences()
-    chunked = probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask, position_chunk=4)
+    chunked = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask), position_chunk=4)
 
     class WithoutHeadAccess(nn.Module):  # forces the full-logits path
         def __init__(self, inner):
@@ -140,7 +140,7 @@ def test_chunked_head_path_equals_full_logits_path():
         def forward(self, **kwargs):
             return self.inner(**kwargs).logits
 
-    full = probe_predicted_kl(WithoutHeadAccess(model), optimizer.probe_layers(), input_ids, attention_mask, logits_mask)
+    full = probe_predicted_kl(WithoutHeadAccess(model), optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask))
     assert chunked == pytest.approx(full, rel=1e-6)
     assert chunked > 0
 
@@ -148,11 +148,11 @@ def test_chunked_head_path_equals_full_logits_path():
 def test_probe_works_with_sdpa_and_restores_modes_and_attention():
     model, optimizer = prepared_model("eager")
     input_ids, attention_mask, logits_mask = sequences()
-    eager = probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask)
+    eager = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask))
     model.set_attn_implementation("sdpa")
     model.train()
     model.model.layers[0].eval()  # a mixed state must come back exactly
-    sdpa = probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask)
+    sdpa = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask))
     assert sdpa == pytest.approx(eager, rel=1e-5)
     assert model.training and not model.model.layers[0].training and model.model.layers[1].training
     assert model.config._attn_implementation == "sdpa"
@@ -163,7 +163,7 @@ def test_probe_restores_training_mode_on_error():
     model.train()
     input_ids, attention_mask, logits_mask = sequences()
     with pytest.raises(IndexError):
-        probe_predicted_kl(model, optimizer.probe_layers(), input_ids + 1000, attention_mask, logits_mask)
+        probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids + 1000, attention_mask, logits_mask))
     assert all(module.training for module in model.modules())
     assert all(not module._forward_hooks or len(module._forward_hooks) == 1 for module in model.modules())
 
@@ -172,14 +172,14 @@ def test_probe_does_not_modify_weights_or_sketch_anything():
     model, optimizer = prepared_model()
     input_ids, attention_mask, logits_mask = sequences()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask)
+    probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(state.backward_calls == 1 for state in optimizer.sketches)
 
 
 @pytest.mark.parametrize("case", ["causal", "bool_mask", "float_mask", "gqa"])
 def test_blocked_probe_attention_equals_sdpa_in_value_and_tangent(case):
-    from lightning_logra.kl import _BlockedAttention
+    from lightning_logra.probe import _BlockedAttention
 
     generator = torch.Generator().manual_seed(3)
     query, key, value, q_tangent, v_tangent = (torch.randn(2, 4, 11, 8, generator=generator, dtype=torch.float64) for _ in range(5))
@@ -213,7 +213,7 @@ def test_blocked_probe_attention_equals_sdpa_in_value_and_tangent(case):
 
 
 def test_blocked_probe_attention_gives_zero_for_a_query_that_sees_nothing():
-    from lightning_logra.kl import _BlockedAttention
+    from lightning_logra.probe import _BlockedAttention
 
     query = key = value = torch.randn(1, 1, 3, 4)
     allowed = torch.ones(1, 1, 3, 3, dtype=torch.bool).tril()
@@ -227,9 +227,9 @@ def test_blocked_probe_attention_gives_zero_for_a_query_that_sees_nothing():
 def test_probe_one_sequence_at_a_time_matches_the_mean_over_the_batch():
     model, optimizer = prepared_model("sdpa")
     input_ids, attention_mask, logits_mask = sequences()
-    whole = probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask)
+    whole = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask))
     per_row = [
-        probe_predicted_kl(model, optimizer.probe_layers(), input_ids[i : i + 1], attention_mask[i : i + 1], logits_mask[i : i + 1])
+        probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids[i : i + 1], attention_mask[i : i + 1], logits_mask[i : i + 1]))
         for i in range(3)
     ]
     counts = logits_mask.sum(dim=1).tolist()
@@ -242,8 +242,8 @@ def _probe_on_uneven_ranks(rank: int, world: int) -> tuple[float, int]:
     rows = slice(0, 2) if rank == 0 else slice(2, 3)  # rank 0 has two sequences, rank 1 one
     forwards = []
     model.register_forward_hook(lambda *_: forwards.append(1))
-    prediction = probe_predicted_kl(model, optimizer.probe_layers(), input_ids[rows], attention_mask[rows], logits_mask[rows],
-                                    distributed=True)
+    prediction = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids[rows], attention_mask[rows], logits_mask[rows]),
+                                    process_group=torch.distributed.group.WORLD)
     return prediction, len(forwards)
 
 
@@ -253,10 +253,25 @@ def test_distributed_probe_runs_equal_forwards_and_returns_the_global_mean():
 
     model, optimizer = prepared_model("sdpa")
     input_ids, attention_mask, logits_mask = sequences()
-    single = probe_predicted_kl(model, optimizer.probe_layers(), input_ids, attention_mask, logits_mask)
+    single = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask))
     (rank0, forwards0), (rank1, forwards1) = run_on_two_ranks(_probe_on_uneven_ranks)
     # Sharded models gather weights in every forward, so the rank with one sequence must
     # run a second (scoring nothing) to match the other.
     assert forwards0 == forwards1 == 2
     assert rank0 == rank1
     assert rank0 == pytest.approx(single, rel=1e-9)
+
+
+def test_probe_max_tokens_counts_real_tokens_not_left_padding():
+    input_ids, attention_mask, logits_mask = sequences()  # row 2 has 3 left-padding tokens
+    batch = ProbeBatch(input_ids, attention_mask, logits_mask)
+    inputs, scored = batch.row_inputs(2, max_tokens=6)
+    assert torch.equal(inputs["input_ids"], input_ids[2:3, 3:9]) and bool(inputs["attention_mask"].all())
+    assert torch.equal(scored, logits_mask[2:3, 3:9])
+    model, optimizer = prepared_model("sdpa")
+    padded = probe_predicted_kl(model, optimizer.probe_layers(), batch.first_rows(3), max_tokens=6)
+    unpadded = [ProbeBatch(input_ids[i : i + 1, s : s + 6], attention_mask[i : i + 1, s : s + 6], logits_mask[i : i + 1, s : s + 6])
+                for i, s in ((0, 0), (1, 0), (2, 3))]
+    per_row = [probe_predicted_kl(model, optimizer.probe_layers(), row) for row in unpadded]
+    counts = [int(row.logits_mask.sum()) for row in unpadded]
+    assert padded == pytest.approx(sum(p * c for p, c in zip(per_row, counts)) / sum(counts), rel=1e-12)

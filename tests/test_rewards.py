@@ -175,3 +175,26 @@ def test_runner_rejects_bad_configuration():
         RewardRunner([])
     with pytest.raises(ValueError, match="3 completions but 2 answers"):
         RewardRunner([length_reward])(["a", "b", "c"], ["1", "2"])
+
+
+def test_math_verify_timeout_notice_is_not_shown(monkeypatch, caplog, capsys):
+    # math_verify logs a one-time "Timeout is disabled ..." notice from parse and from verify
+    # when their timeouts are off, as math_reward's are on purpose (RewardRunner enforces one).
+    if math_rewards.math_verify is None:
+        pytest.skip("math_verify is not installed (optional extra 'math')")
+    import logging
+
+    import math_verify.grader
+    import math_verify.parser
+
+    monkeypatch.setattr(math_verify.parser, "TIMEOUT_WARNING_SHOWN", False)  # not yet shown this process
+    monkeypatch.setattr(math_verify.grader, "TIMEOUT_WARNING_SHOWN", False)
+    caplog.set_level("DEBUG")
+    assert math_reward(["so \\boxed{\\sqrt{4}}"], ["2"]) == [1.0]  # only math_verify can tell
+    assert math_verify.parser.TIMEOUT_WARNING_SHOWN and math_verify.grader.TIMEOUT_WARNING_SHOWN  # reached
+    assert not [record for record in caplog.records if "Timeout is disabled" in record.getMessage()]
+    captured = capsys.readouterr()
+    assert "Timeout is disabled" not in captured.err + captured.out
+    # math_verify's other messages still come through
+    logging.getLogger("math_verify.parser").warning("Timeout during parsing: x")
+    assert "Timeout during parsing: x" in [record.getMessage() for record in caplog.records]

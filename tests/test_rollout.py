@@ -161,6 +161,36 @@ def test_vllm_engine_without_vllm_says_what_to_install():
         VLLMRolloutEngine("unused", max_new_tokens=4)
 
 
+def test_vllm_sync_weights_sends_hf_names_of_a_wrapped_model(tokenizer):
+    """Without vLLM: a stand-in LLM records the names ``sync_weights`` loads."""
+
+    class RecordingLLM:
+        def __init__(self):
+            self.names = []
+
+        def collective_rpc(self, method, args):
+            self.names.append(args[0])
+
+        def reset_prefix_cache(self):
+            pass
+
+    class Wrapper(torch.nn.Module):  # names its child as FSDP1 / activation checkpointing do
+        def __init__(self, attribute, module):
+            super().__init__()
+            setattr(self, attribute, module)
+
+    plain = tiny_qwen2(vocab_size=len(tokenizer))
+    inner = tiny_qwen2(vocab_size=len(tokenizer))
+    inner.model.layers[0] = Wrapper("_checkpoint_wrapped_module", inner.model.layers[0])
+    wrapped = torch.compile(Wrapper("_fsdp_wrapped_module", inner))  # adds _orig_mod; compiles lazily
+    name = next(name for name in wrapped.state_dict() if "_checkpoint_wrapped_module" in name)
+    assert name.startswith("_orig_mod._fsdp_wrapped_module.model.layers.0._checkpoint_wrapped_module.")
+    engine = VLLMRolloutEngine.__new__(VLLMRolloutEngine)  # skips starting vLLM
+    engine.llm, engine._weights_asleep = RecordingLLM(), False
+    engine.sync_weights(wrapped)
+    assert engine.llm.names == list(plain.state_dict())
+
+
 @pytest.mark.gpu
 @pytest.mark.vllm
 @pytest.mark.skipif(not (HAS_VLLM and torch.cuda.is_available()), reason="needs vLLM and a CUDA GPU")

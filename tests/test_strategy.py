@@ -25,12 +25,26 @@ def test_importing_the_package_registers_the_name_in_both_registries():
     assert lightning_logra.LoGRAFSDPStrategy is LoGRAFSDPStrategy
 
 
-def test_trainer_by_name_trains_an_ordinary_module_and_warns_without_callback(tmp_path):
+def test_trainer_by_name_scales_an_ordinary_module_to_the_kl_budget_without_a_callback(tmp_path):
     module = CausalLM()
-    with pytest.warns(UserWarning, match="without KL control"):
-        trainer(strategy="logra_fsdp", max_steps=2, tmp_path=tmp_path).fit(module, loader(4))
-    assert isinstance(module.trainer.strategy, LoGRAFSDPStrategy)
-    assert module.trainer.strategy.logra_optimizer.update_count == 2
+    trainer(strategy="logra_fsdp", max_steps=2, tmp_path=tmp_path).fit(module, loader(4))
+    strategy = module.trainer.strategy
+    assert isinstance(strategy, LoGRAFSDPStrategy)
+    assert strategy.logra_optimizer.update_count == 2
+    report = strategy.last_report  # probed on the training batch: the controller is in the core
+    assert report.update == 1 and not report.skipped and report.predicted_kl > 0
+    assert report.alpha == pytest.approx(min(3.0, (report.budget / report.predicted_kl) ** 0.5), rel=1e-12)
+
+
+class TupleBatches(CausalLM):
+    def training_step(self, batch, batch_idx):
+        return super().training_step({"input_ids": batch[0], "attention_mask": torch.ones_like(batch[0])}, batch_idx)
+
+
+def test_kl_control_without_probe_data_names_the_fix(tmp_path):
+    rows = [(row["input_ids"],) for row in dataset(8)]
+    with pytest.raises(ValueError, match="logra_probe_batch"):
+        trainer(LoGRAFSDPStrategy(), max_steps=1, tmp_path=tmp_path).fit(TupleBatches(), torch.utils.data.DataLoader(rows, batch_size=4))
 
 
 @pytest.mark.parametrize("reduction", ["all_reduce", "reduce_scatter"])
@@ -87,11 +101,11 @@ def _two_rank_runs(rank, world):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer(strategy, max_steps=3, devices=2).fit(CausalLM(), loader(2, rank=rank, world=world))
-        results[f"trainer/{reduction}"] = (strategy.logra_optimizer.reduction, trained_weights(strategy))
+        results[f"trainer/{reduction}"] = (strategy.logra_optimizer.layout.name, trained_weights(strategy))
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=LoGRAFabricStrategy(logra=config()))
     fabric.launch()
     weights = _fabric_loop(fabric, rank, world)
-    results["fabric/auto"] = (fabric.strategy.logra_optimizer.reduction, weights)
+    results["fabric/auto"] = (fabric.strategy.logra_optimizer.layout.name, weights)
     return results
 
 
@@ -103,3 +117,20 @@ def test_two_devices_equal_the_plain_engine_for_trainer_and_fabric():
         assert reduction == name.split("/")[1].replace("auto", "reduce_scatter"), name
         for weight, reference in zip(weights, expected):
             torch.testing.assert_close(weight, reference, **TWO_RANK_TOLERANCE, msg=name)
+
+
+def test_model_summary_and_start_line_count_what_logra_trains(tmp_path):
+    from lightning.pytorch.callbacks import ModelSummary
+
+    module = CausalLM()
+    total = sum(p.numel() for p in module.parameters())
+    strategy = LoGRAFSDPStrategy(logra=config())
+    fitted = trainer(strategy, max_steps=1, tmp_path=tmp_path, enable_model_summary=True)
+    fitted.fit(module, loader(4))
+    targets = sum(state.weight.numel() for state in strategy.logra_optimizer.sketches)
+    summary = next(c for c in fitted.callbacks if isinstance(c, ModelSummary))._summary(fitted, module)
+    assert summary.trainable_parameters == targets > 0  # not the "0" of frozen-for-autograd weights
+    assert strategy.runtime.describe(module) == (
+        f"LoGRA trains {targets:,} parameters in 14 target layers (q_proj, k_proj, v_proj, o_proj, gate_proj, "
+        f"up_proj, down_proj) through rank-8 sketches; the other {total - targets:,} parameters are frozen"
+    )

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import resource
 import time
 
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_logra.memory import peak_memory_mib
 
 GIB = 2**30
 
@@ -21,14 +22,17 @@ class RunSummary(Callback):
         self.rewards: list[float] = []
         self._started = 0.0
 
+    @override
     def on_train_start(self, trainer, pl_module) -> None:
         self._started = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         reward = trainer.callback_metrics.get("reward/mean")
         if reward is not None:
             self.rewards.append(float(reward))
 
+    @override
     def on_train_end(self, trainer, pl_module) -> None:
         rank_zero_info(self.render(trainer))
 
@@ -42,10 +46,11 @@ class RunSummary(Callback):
             lines.append(f"  reward/mean      first {window} steps {first:.3f} -> last {window} steps {last:.3f} ({last - first:+.3f})")
         for key in sorted(k for k in metrics if k.startswith("val/")):
             lines.append(f"  {key:<16} {float(metrics[key]):.3f} (last validation)")
-        if torch.cuda.is_available():
-            lines.append(f"  peak GPU memory  {torch.cuda.max_memory_allocated() / GIB:.2f} GiB allocated")
+        peak = peak_memory_mib()
+        if "peak_allocated_mib" in peak:
+            lines.append(f"  peak GPU memory  {peak['peak_allocated_mib'] / 1024:.2f} GiB allocated")
         else:
-            lines.append(f"  peak memory      {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB process RSS")
+            lines.append(f"  peak memory      {peak['peak_rss_mib'] / 1024:.2f} GiB process RSS")
         if "memory/logra_state_mib" in metrics:
             state = float(metrics["memory/logra_state_mib"])
             dense = float(metrics["memory/dense_equivalent_mib"])

@@ -75,7 +75,7 @@ class PromptDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if isinstance(self.tokenizer, (str, Path)):
             # Lazy: resolves built-in offline names (e.g. "smollm2-135m-instruct") too.
-            from lightning_logra.modules.policy import load_tokenizer
+            from lightning_logra.models import load_tokenizer
 
             self.tokenizer = load_tokenizer(str(self.tokenizer))
         for split, (source, hub_split, size, seed) in self.sources.items():
@@ -118,10 +118,7 @@ class PromptDataModule(LightningDataModule):
             rows = read_rows(source, hub_split)
         if self.field_map:
             rows = [_renamed(row, self.field_map) for row in rows]
-        if self.skip_invalid_rows:
-            valid, invalid = validate_rows(rows, name, skip_invalid_rows=True)
-        else:
-            valid, invalid = validate_rows(rows, name), 0
+        valid, invalid = validate_rows(rows, name, skip_invalid_rows=self.skip_invalid_rows)
         prompts = [self.render_prompt(row) for row in valid]
         answers = [str(row["answer"]) for row in valid]
         too_long = 0

@@ -43,13 +43,12 @@ def read_rows(path_or_name: str | Path, split: str | None = None) -> list:
     return _read_hub_dataset(str(path_or_name), split or "train")
 
 
-def validate_rows(
-    rows: list, source: str, *, skip_invalid_rows: bool = False
-) -> list[dict] | tuple[list[dict], int]:
-    """Check every row; the first bad one raises ``ValueError`` naming ``source``, its
-    location (the 1-based line for JSONL, else the 1-based row) and the field.
+def validate_rows(rows: list, source: str, *, skip_invalid_rows: bool = False) -> tuple[list[dict], int]:
+    """Check every row; returns ``(valid_rows, skipped)``.
 
-    With ``skip_invalid_rows`` bad rows are dropped instead: returns ``(valid_rows, skipped)``.
+    By default the first bad row raises ``ValueError`` naming ``source``, its location (the
+    1-based line for JSONL, else the 1-based row) and the field, so ``skipped`` is 0. With
+    ``skip_invalid_rows`` bad rows are dropped instead and ``skipped`` counts them.
     """
     location = "line" if str(source).lower().endswith((".jsonl", ".ndjson")) else "row"
     valid = []
@@ -59,9 +58,7 @@ def validate_rows(
             valid.append(row)
         elif not skip_invalid_rows:
             raise ValueError(f"{source}: {location} {index}: {problem}")
-    if skip_invalid_rows:
-        return valid, len(rows) - len(valid)
-    return valid
+    return valid, len(rows) - len(valid)
 
 
 def arithmetic_rows(n: int, seed: int, *, terms: int = 2, max_digits: int = 2) -> list[dict]:

@@ -58,7 +58,8 @@ class RolloutConfig:
 @dataclass
 class OptimizerConfig:
     """AdamW for dense and LoRA training (the paper's dense baseline by default). Under
-    ``logra_fsdp`` only the schedule matters: it scales LoGRA's update ratio."""
+    ``logra_fsdp`` none of it applies unless ``logra.follow_lr_schedule`` is set: LoGRA's
+    step is ``logra.update_ratio``, and its schedule is the KL budget's."""
 
     lr: float = 1e-6
     betas: tuple[float, float] = (0.9, 0.95)

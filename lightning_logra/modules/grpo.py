@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Any
 
 import lightning as L
@@ -27,11 +28,15 @@ from lightning_logra.modules.losses import (
     grpo_loss,
     reinforce_baseline_loss,
 )
-from lightning_logra.modules.policy import load_policy
+from lightning_logra.models import enable_activation_checkpointing, load_policy
 from lightning_logra.reliability import memory_phase
 from lightning_logra.rewards.runner import RewardRunner
 
 DEFAULT_REWARD = "lightning_logra.rewards.math:math_reward"
+# What shrinks each phase's memory, for the error an out-of-memory in it raises.
+ROLLOUT_HINT = ("rollout.max_new_tokens, rollout.num_generations, prompts per step (data batch_size), "
+                "rollout.gpu_memory_utilization (vLLM)")
+BACKWARD_HINT = "micro_batch_size, activation_checkpointing=true, logprob_chunk_size"
 
 
 class GRPOModule(L.LightningModule):
@@ -77,15 +82,18 @@ class GRPOModule(L.LightningModule):
         self.policy, self.tokenizer = load_policy(model, cache_dir=cache_dir)
         self.policy.train()  # from_pretrained returns eval mode; Lightning keeps modes as found
         if activation_checkpointing:
-            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(self.policy)
         if lora is not None:
             from peft import LoraConfig as PeftLoraConfig
             from peft import get_peft_model
 
-            self.policy = get_peft_model(
-                self.policy,
-                PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)),
-            )
+            with warnings.catch_warnings():
+                # peft asks transformers' deprecated `is_gradient_checkpointing`: not the user's to act on
+                warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+                self.policy = get_peft_model(
+                    self.policy,
+                    PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)),
+                )
         self.reference = None
         if self.loss_config.kl_coef > 0:
             self.reference, _ = load_policy(model, cache_dir=cache_dir)
@@ -98,13 +106,19 @@ class GRPOModule(L.LightningModule):
         self._engine = None
         self._last: dict[str, torch.Tensor] = {}
 
-    # LoGRA hooks (read by the strategy and LoGRACallback; harmless elsewhere) ----------------
+    # LoGRA hooks (read by the logra_fsdp strategy once per step; harmless elsewhere) -------
     def logra_model(self) -> torch.nn.Module:
         return self.policy
 
-    def logra_probe_batch(self) -> dict[str, torch.Tensor]:
-        """The step's first rollouts, scored at the positions that generated their tokens."""
-        return {key: self._last[key] for key in ("input_ids", "attention_mask", "logits_mask", "position_ids")}
+    def logra_probe_batch(self) -> dict[str, torch.Tensor | float]:
+        """The step's rollouts, scored at the positions that generated their tokens, at the
+        sampling temperature. Rows come one per prompt first (then the second sample of
+        each prompt, ...), so the probe's first responses answer different prompts."""
+        n = self.rollout_config.num_generations
+        rows = self._last["input_ids"].shape[0]
+        order = torch.arange(rows, device=self._last["input_ids"].device).view(-1, n).T.reshape(-1)
+        batch = {key: self._last[key][order] for key in ("input_ids", "attention_mask", "logits_mask", "position_ids")}
+        return {**batch, "temperature": self.rollout_config.temperature}
 
     def logra_logprob_pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rollout vs trainer log-probs of the completion tokens of EOS-terminated responses."""
@@ -116,7 +130,7 @@ class GRPOModule(L.LightningModule):
         # Sampling randomness is derived from (seed, step, rank), not carried over from
         # earlier steps: a resumed run samples exactly what the uninterrupted one did.
         torch.manual_seed(sampling_seed(self.seed, self.global_step, self.global_rank))
-        with memory_phase("rollout"):
+        with memory_phase("rollout", ROLLOUT_HINT):
             rollouts = self.engine.generate(batch["prompt_text"], num_generations=config.num_generations)
         generated_s = time.perf_counter() - started
         answers = [answer for answer in batch["answer"] for _ in range(config.num_generations)]
@@ -129,7 +143,7 @@ class GRPOModule(L.LightningModule):
         rollout_logprobs = rollouts.rollout_logprobs[:, 1:]
         reference_logprobs = None
         if self.reference is not None:
-            with torch.no_grad(), memory_phase("backward"):
+            with torch.no_grad(), memory_phase("backward", BACKWARD_HINT):
                 reference_logprobs = self._logprobs(self.reference, input_ids, attention_mask)
 
         rows, tokens = self._global_counts(mask)
@@ -141,7 +155,7 @@ class GRPOModule(L.LightningModule):
         trainer_parts = []
         for start in range(0, input_ids.shape[0], self.micro_batch_size):
             part = slice(start, start + self.micro_batch_size)
-            with memory_phase("backward"):
+            with memory_phase("backward", BACKWARD_HINT):
                 logprobs, entropy = self._logprobs(self.policy, input_ids[part], attention_mask[part], entropy=True)
             # One optimisation pass per rollout batch: the weights that sampled are the ones
             # computing now, so the "old" log-probs of the PPO ratio are these, detached.
@@ -153,13 +167,13 @@ class GRPOModule(L.LightningModule):
             # Each part's loss is normalised over its own tokens (rows); reweight so that the
             # sum over parts and ranks is the batch-wide mean (data parallelism averages).
             weight = mask[part].sum() / tokens if self._per_token_normaliser else (logprobs.shape[0] / rows)
-            with memory_phase("backward"):
+            with memory_phase("backward", BACKWARD_HINT):
                 self.manual_backward(loss * weight * world)
             entropy_sum += (entropy.detach() * mask[part]).sum()
             for key, value in stats.items():
                 stats_sum[key] = stats_sum.get(key, 0) + value * mask[part].sum()
         trainer_logprobs = torch.cat(trainer_parts)
-        self._remember(rollouts, mask, rollout_logprobs, trainer_logprobs)  # read by LoGRACallback in step()
+        self._remember(rollouts, mask, rollout_logprobs, trainer_logprobs)  # read by the LoGRA strategy in step()
         optimizer.step()
         scheduler = self.lr_schedulers()
         if scheduler is not None:

@@ -7,6 +7,7 @@ is installed. Its own signal-based timeouts are off because rewards run in worke
 threads: ``RewardRunner`` enforces the time limit.
 """
 
+import logging
 import re
 from fractions import Fraction
 
@@ -14,6 +15,18 @@ try:
     import math_verify
 except ImportError:  # optional extra
     math_verify = None
+
+
+def _not_timeout_disabled_notice(record: logging.LogRecord) -> bool:
+    """Drops math_verify's one-time "Timeout is disabled as ..." notice, which its
+    ``parse``/``verify`` log when called with ``parsing_timeout=None``/``timeout_seconds=None``
+    as here (deliberately: see the module docstring); its other messages pass."""
+    return not record.getMessage().startswith("Timeout is disabled as ")
+
+
+if math_verify is not None:
+    for _name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(_name).addFilter(_not_timeout_disabled_notice)
 
 NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")

@@ -9,10 +9,8 @@ to sleep after each generation.
 import torch
 from torch import nn
 
+from lightning_logra.projection import canonical_name
 from lightning_logra.rollout.base import Rollouts, check_request, pack_rollouts
-
-# Wrapper components that torch adds to parameter names; vLLM expects the HF checkpoint names.
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 
 
 class VLLMRolloutEngine:
@@ -73,9 +71,8 @@ class VLLMRolloutEngine:
             self._weights_asleep = False
         for name, tensor in model.state_dict().items():
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            for prefix in WRAPPER_PREFIXES:
-                name = name.replace(prefix, "")
-            self.llm.collective_rpc(_load_weight, args=(name, full.detach()))
+            # vLLM expects the HF checkpoint names, without the components wrappers insert.
+            self.llm.collective_rpc(_load_weight, args=(canonical_name(name), full.detach()))
             del full
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self._weights_current = True

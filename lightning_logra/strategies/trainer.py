@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -14,29 +13,30 @@ from lightning.fabric.strategies.model_parallel import _load_checkpoint
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
+from typing_extensions import override
 
 from lightning_logra.config import LoGRAConfig
-from lightning_logra.strategies.engine import LoGRAStrategyMixin, compute_dtype_for, normalization_tokens_of
-
-
-PARTIAL_SUFFIX = ".partial"
+from lightning_logra.strategies.runtime import LoGRAStrategyMixin, compute_dtype_for
 
 
 class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
     """FSDP2 (row-sharded float32 weights), data-parallel only, with LoGRA on the targets.
 
     Optimizer contract: keep your ``configure_optimizers``. The target weights (``logra.
-    target_modules``) are updated by LoGRA once per optimizer step, after all micro-batches;
-    every other parameter is frozen (the paper's setting) unless ``train_non_targets=True``,
-    in which case your optimizer steps them. Your optimizer's learning rate scales LoGRA's
-    step (update_ratio x lr / initial lr), so your scheduler's warm-up and decay apply.
+    target_modules``) are updated by LoGRA once per optimizer step, after all micro-batches,
+    scaled to the KL budget; every other parameter is frozen (the paper's setting) unless
+    ``train_non_targets=True``, in which case your optimizer steps them. LoGRA's step size is
+    ``logra.update_ratio``, constant unless ``logra.follow_lr_schedule`` is set.
 
     The LightningModule may define ``logra_model()`` (the module to train, e.g. the policy
     when a reference model sits beside it), ``logra_normalization_tokens()`` (the global
     count of loss-bearing tokens when the loss is a sum over tokens), ``logra_probe_batch()``
-    and ``logra_logprob_pairs()`` (read by ``LoGRACallback``).
+    (the responses the KL probe scores; default: the training batch) and
+    ``logra_logprob_pairs()`` (rollout vs trainer log-probs, for the mismatch term).
     """
 
     def __init__(
@@ -55,7 +55,9 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
             timeout=timeout,
         )
         self._init_logra(logra, train_non_targets, layer_classes)
+        self._batch: Any = None
 
+    @override
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         compute_dtype = compute_dtype_for(trainer.precision)
@@ -73,83 +75,76 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self.runtime.install(module, compute_dtype=compute_dtype)
         self.runtime.remember_base_lr(self.optimizers)
-        self.runtime.controller = _find_controller(trainer)
+        self.runtime.measure_kl = any(getattr(callback, "measure_kl", False) for callback in trainer.callbacks)
+        _count_targets_as_trainable(trainer, self.runtime.trained_parameters())
 
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._batch = args[0] if args else kwargs.get("batch")  # the KL probe's default data
+        return super().training_step(*args, **kwargs)
+
+    @override
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         """Run the closure (training_step + backward), then the LoGRA update, then the
         user's optimizer (non-target parameters, if any are trainable)."""
         module = self.lightning_module
-        automatic = module.automatic_optimization
-        group = self.device_mesh["data_parallel"].get_group()
 
         def closure_then_logra_update() -> Any:
             result = closure()
-            self.runtime.update(
-                optimizer,
-                normalization_tokens=normalization_tokens_of(module),
-                process_group=group,
-                # Automatic optimization skips a step whose training_step returned None.
-                backward_ran=(lambda: self.runtime.any_backward(group)) if automatic else None,
-            )
+            # Automatic optimization skips a step whose training_step returned None.
+            self.runtime.step(module, optimizer, batch=self._batch, process_group=self._data_parallel_group(),
+                              allow_no_backward=module.automatic_optimization)
             return result
 
         return super().optimizer_step(optimizer, closure_then_logra_update, model, **kwargs)
 
-    # Checkpoints: always distributed (one shard per rank), with LoGRA's tensors beside the
-    # model and optimizer shards and its configuration in the rank-0 metadata file. Written
-    # into "<name>.partial" and renamed into place once every rank has finished, so a run
-    # killed mid-save never leaves a checkpoint that looks complete.
+    # Checkpoints: always distributed (one shard per rank), LoGRA's state in its own folder.
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        path = Path(self.broadcast(filepath))
-        partial = path.with_name(path.name + PARTIAL_SUFFIX)
-        if self.global_rank == 0 and partial.exists():
-            shutil.rmtree(partial)
-        self.barrier()
-        shards = {"state_dict": checkpoint.pop("state_dict"), "logra": self.runtime.checkpoint_tensors()}
-        shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        dcp.save(shards, checkpoint_id=partial)
-        if self.global_rank == 0:
-            torch.save({**checkpoint, "logra": self.runtime.checkpoint_metadata()}, partial / _METADATA_FILENAME)
-        self.barrier()
-        if self.global_rank == 0:
-            _move_into_place(partial, path)
-        self.barrier()
 
+        def write(folder: Path) -> None:
+            shards = {"state_dict": checkpoint.pop("state_dict")}
+            shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+            dcp.save(shards, checkpoint_id=folder)
+            self.runtime.save_state(folder)
+            if self.global_rank == 0:
+                torch.save(checkpoint, folder / _METADATA_FILENAME)
+
+        self._write_atomically(filepath, write)
+
+    @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
-        metadata_file = path / _METADATA_FILENAME
-        if not metadata_file.is_file():
+        if not (path / _METADATA_FILENAME).is_file():
             raise ValueError(f"{path} is not a LoGRA checkpoint folder (no {_METADATA_FILENAME})")
-        metadata = torch.load(metadata_file, weights_only=False).get("logra")
-        self.runtime.check_metadata(metadata)  # a config mismatch fails before any state is loaded
+        logra_state = self.runtime.read_state(path)  # a config mismatch fails before any state is loaded
         state = {"state_dict": self.model, **{f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}}
+        # Lightning's own metadata file (loops, callbacks, hyper-parameters) is Lightning's format.
         remaining = _load_checkpoint(path=path, state=state, strict=self.lightning_module.strict_loading,
                                      optimizer_states_from_list=True, weights_only=False)
-        tensors = {"logra": self.runtime.checkpoint_tensors()}
-        dcp.load(tensors, checkpoint_id=path)
-        self.runtime.load_checkpoint_tensors(tensors["logra"], metadata)
+        self.runtime.load_state(logra_state)
         return remaining
 
 
-def _move_into_place(partial: Path, path: Path) -> None:
-    """Replace ``path`` by the finished ``partial`` folder (two renames, no copying)."""
-    if path.is_file() or path.is_symlink():
-        path.unlink()
-    elif path.exists():
-        retired = path.with_name(path.name + ".old")
-        if retired.exists():
-            shutil.rmtree(retired)
-        path.rename(retired)
-        partial.rename(path)
-        shutil.rmtree(retired)
-        return
-    partial.rename(path)
+class _LoGRASummary(Summary):
+    """Lightning's model summary, counting LoGRA's targets as trainable: they are frozen
+    for autograd only because their gradients arrive as sketches."""
+
+    def __init__(self, model, max_depth: int, logra_parameters: int) -> None:
+        self.logra_parameters = logra_parameters
+        super().__init__(model, max_depth=max_depth)
+
+    @property
+    @override
+    def trainable_parameters(self) -> int:
+        return super().trainable_parameters + self.logra_parameters
 
 
-def _find_controller(trainer):
-    from lightning_logra.callbacks.logra import LoGRACallback
-
-    found = [callback for callback in trainer.callbacks if isinstance(callback, LoGRACallback)]
-    return found[0] if found else None
+def _count_targets_as_trainable(trainer, logra_parameters: int) -> None:
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelSummary):
+            callback._summary = lambda trainer, pl_module, depth=callback._max_depth: _LoGRASummary(
+                pl_module, depth, logra_parameters
+            )

@@ -209,3 +209,12 @@ def _file_lock(path: Path):
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer, through the API of the
+    installed transformers (its older name warns of removal in v6 on recent versions)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,0 +1,147 @@
+"""How the rows of every target are split across ranks, and what that means for one update.
+
+Two layouts, one interface, so that the optimizer reads like the spec whatever the sharding:
+
+- ``ReplicatedRows`` (the reference): sketches are all-reduced, every rank runs RowAdam on
+  every row; with row-sharded weights each rank then keeps the rows it updates.
+- ``ShardedRows`` (ours): sketches are reduce-scattered along rows to the rank that owns
+  those weight rows; RowAdam runs on owned rows only, its per-layer scalars all-reduced.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_logra.sketch import SketchSet, SketchState, local_row_range
+
+
+class RowLayout:
+    """What both layouts share: the weight shards' group and each target's owned rows."""
+
+    def __init__(self, sketches: SketchSet, weight_group: dist.ProcessGroup | None) -> None:
+        self.sketches = sketches
+        self.weight_group = weight_group  # None: every rank holds whole weights
+        self.rows = [local_row_range(state.weight) for state in sketches]
+
+    # RowAdam reduces its per-layer scalars over this group (None: each rank has whole layers)
+    row_group: dist.ProcessGroup | None = None
+
+    def sum_over_shards(self, values: torch.Tensor) -> None:
+        """Sum per-rank partial sums over the owned rows (weight norms, update norms)."""
+        if self.weight_group is not None:
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.weight_group)
+
+    def full_rows(self, directions: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every row of every direction (the probe moves the whole model)."""
+        if self.weight_group is None:
+            return directions
+        return [_gather_rows(d, state.weight.shape[0], self.weight_group) for d, state in zip(directions, self.sketches)]
+
+
+class ReplicatedRows(RowLayout):
+    name = "all_reduce"
+
+    def local_moment(self, state: SketchState) -> torch.Tensor:
+        return state.second_moment
+
+    def reduce(self, tokens: float, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+        """S_hat = (sum over ranks / world) / N, in place in the flat buffer: one collective."""
+        buffer = self.sketches.buffer
+        world = dist.get_world_size(group) if group is not None else 1
+        if world > 1:
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+        buffer.div_(world * tokens)
+        return [state.sketch for state in self.sketches]
+
+    def own_rows(self, directions: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.weight_group is None:
+            return directions
+        return [d[start:stop].clone() for d, (start, stop) in zip(directions, self.rows)]
+
+    def moment_to_save(self, state: SketchState) -> torch.Tensor:
+        return state.second_moment
+
+
+class ShardedRows(RowLayout):
+    name = "reduce_scatter"
+
+    @property
+    def row_group(self) -> dist.ProcessGroup | None:
+        return self.weight_group
+
+    def local_moment(self, state: SketchState) -> torch.Tensor:
+        start, stop = local_row_range(state.weight)
+        return state.second_moment[start:stop].clone()
+
+    def reduce(self, tokens: float, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+        """This rank's rows of S_hat, reduce-scattered over the weight shards' group."""
+        group = self.weight_group
+        world = dist.get_world_size(group)
+        pending = []
+        for state, (start, stop) in zip(self.sketches, self.rows):
+            rows, rank = state.sketch.shape
+            chunk = -(-rows // world)
+            source = state.sketch
+            if chunk * world == rows:
+                # In place: this rank's block of its own sketch receives the reduced rows,
+                # so the reduction needs no memory beyond the accumulator.
+                received = source[start : start + chunk]
+            else:  # FSDP2's uneven split: pad the last ranks' blocks
+                source = torch.zeros(chunk * world, rank, dtype=source.dtype, device=source.device)
+                source[:rows] = state.sketch
+                received = torch.empty(chunk, rank, dtype=source.dtype, device=source.device)
+            work = dist.reduce_scatter_single(received, source, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            pending.append((work, received, stop - start))
+        local = []
+        for work, received, count in pending:
+            work.wait()
+            local.append(received[:count].div_(world).div_(tokens))
+        return local
+
+    def own_rows(self, directions: list[torch.Tensor]) -> list[torch.Tensor]:
+        return directions
+
+    def moment_to_save(self, state: SketchState) -> torch.Tensor:
+        """The owned rows as one DTensor, so a checkpoint holds every row exactly once."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        rows = state.weight.shape[0]
+        return DTensor.from_local(state.second_moment, state.weight.device_mesh, [Shard(0)], run_check=False,
+                                  shape=(rows, 1), stride=(1, 1))
+
+
+def make_layout(requested: str, sketches: SketchSet) -> RowLayout:
+    """``auto``: reduce-scatter when the weights are row-sharded over more than one rank."""
+    group = weight_group(sketches)
+    world = dist.get_world_size(group) if group is not None else 1
+    if requested == "reduce_scatter" and group is None and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() > 1:
+        raise ValueError("sketch_reduction='reduce_scatter' needs target weights row-sharded with FSDP2")
+    sharded = group is not None and world > 1 and requested in ("auto", "reduce_scatter")
+    return ShardedRows(sketches, group) if sharded else ReplicatedRows(sketches, group)
+
+
+def weight_group(sketches: SketchSet) -> dist.ProcessGroup | None:
+    """The process group over which target weights are row-sharded (None if unsharded)."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [isinstance(state.weight, DTensor) for state in sketches]
+    if not any(sharded):
+        return None
+    if not all(sharded):
+        raise ValueError("either every LoGRA target weight is an FSDP2 DTensor or none is")
+    groups = {state.weight.device_mesh.get_group() for state in sketches}
+    if len(groups) != 1:
+        raise ValueError("LoGRA target weights are sharded over different process groups")
+    return groups.pop()
+
+
+def _gather_rows(local: torch.Tensor, rows: int, group: dist.ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    chunk = -(-rows // world)
+    padded = torch.zeros(chunk, local.shape[1], dtype=local.dtype, device=local.device)
+    padded[: local.shape[0]] = local
+    gathered = torch.empty(chunk * world, local.shape[1], dtype=local.dtype, device=local.device)
+    dist.all_gather_single(gathered, padded, group=group)
+    return gathered[:rows]

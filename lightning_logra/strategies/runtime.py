@@ -1,0 +1,273 @@
+"""What the Trainer and Fabric strategies share: FSDP2 sharding, LoGRA installation,
+fetching the step's inputs from the module once, and LoGRA's part of a checkpoint. No
+algorithm lives here: one ``LoGRAOptimizer.step`` call does the update."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_logra.config import LoGRAConfig
+from lightning_logra.optimizer import LoGRAOptimizer
+from lightning_logra.report import StepReport
+from lightning_logra.probe import ProbeBatch
+from lightning_logra.reliability import verify_ranks_agree
+from lightning_logra.sketch import is_target_name
+
+REFUSED_PRECISIONS = ("16-mixed", "16", "16-true", "transformer-engine", "transformer-engine-float16")
+LOGRA_FOLDER = "logra"  # LoGRA's state inside a checkpoint folder: its own DCP checkpoint
+PARTIAL_SUFFIX = ".partial"
+
+
+def policy_module(root: nn.Module, target_modules: list[str]) -> nn.Module:
+    """The module LoGRA trains: ``root.logra_model()`` if defined, else the only direct
+    child that holds targets (the HF model of a LightningModule), else ``root`` itself."""
+    if hasattr(root, "logra_model"):
+        return root.logra_model()
+    holders = [child for name, child in root.named_children() if _holds_target(name, child, target_modules)]
+    return holders[0] if len(holders) == 1 else root
+
+
+def shard_policy(policy: nn.Module, mesh: Any, target_modules: list[str], layer_classes: list[str] | None = None) -> None:
+    """FSDP2-shard the transformer blocks, then the model that holds them.
+
+    Blocks are the classes named in ``layer_classes``, else the HF ``_no_split_modules`` of
+    the policy, else the entries of any ``nn.ModuleList``. The called model is sharded, not
+    a LightningModule: if the policy is the LightningModule itself, its children that hold
+    targets are. A policy already holding FSDP2 modules (sharded by the user in
+    ``configure_model``) is left as it is.
+    """
+    import lightning.pytorch as pl
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if any(isinstance(module, FSDPModule) for module in policy.modules()):
+        return
+    names = set(layer_classes or getattr(policy, "_no_split_modules", None) or [])
+    if names:
+        blocks = [m for m in policy.modules() if type(m).__name__ in names]
+    else:
+        blocks = [m for lst in policy.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    if isinstance(policy, pl.LightningModule):
+        for name, child in policy.named_children():
+            if _holds_target(name, child, target_modules) and not isinstance(child, FSDPModule):
+                fully_shard(child, mesh=mesh)
+    else:
+        fully_shard(policy, mesh=mesh)
+
+
+def _holds_target(name: str, module: nn.Module, target_modules: list[str]) -> bool:
+    """Whether the child ``name`` is a target or contains one."""
+    return any(is_target_name(sub or name, target_modules) for sub, _ in module.named_modules())
+
+
+def compute_dtype_for(precision: str) -> torch.dtype | None:
+    precision = str(precision)
+    if precision in REFUSED_PRECISIONS:
+        raise ValueError(
+            f"precision={precision!r} is not supported by LoGRA: a float16 loss scaler would scale the "
+            "sketches, and float16 master weights lose updates. Use 'bf16-mixed' (GPU) or '32-true'."
+        )
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    return None
+
+
+class LoGRARuntime:
+    """Owns a strategy's LoGRA optimizer: installs it, runs one step per optimizer step
+    with what the module offers, and saves / restores its state."""
+
+    def __init__(self, config: LoGRAConfig, *, train_non_targets: bool, measure_kl: bool = False) -> None:
+        self.config = config
+        self.train_non_targets = train_non_targets
+        self.measure_kl = measure_kl
+        self.optimizer: LoGRAOptimizer | None = None
+        self.base_lr: float | None = None
+        self.last_report: StepReport | None = None
+
+    def install(self, root: nn.Module, *, compute_dtype: torch.dtype | None) -> LoGRAOptimizer:
+        policy = policy_module(root, self.config.target_modules)
+        # Freezes the targets only (after checking them, before changing anything).
+        self.optimizer = LoGRAOptimizer(policy, self.config, compute_dtype=compute_dtype, freeze_non_targets=False)
+        verify_ranks_agree(self.optimizer.sketches, self.config.to_dict())
+        if not self.train_non_targets:
+            for parameter in root.parameters():
+                parameter.requires_grad_(False)
+        rank_zero_info(self.describe(root))
+        return self.optimizer
+
+    def trained_parameters(self) -> int:
+        """Parameters LoGRA trains (frozen for autograd, updated through their sketches)."""
+        return sum(state.weight.numel() for state in self._require_optimizer().sketches)
+
+    def describe(self, root: nn.Module) -> str:
+        """One line: what LoGRA trains and what stays frozen."""
+        sketches = self._require_optimizer().sketches
+        trained = self.trained_parameters()
+        others = sum(p.numel() for p in root.parameters()) - trained
+        fate = "trained by your optimizer" if self.train_non_targets else "frozen"
+        return (
+            f"LoGRA trains {trained:,} parameters in {len(sketches)} target layers "
+            f"({', '.join(self.config.target_modules)}) through rank-{self.config.rank} sketches; "
+            f"the other {others:,} parameters are {fate}"
+        )
+
+    def remember_base_lr(self, user_optimizers: list[torch.optim.Optimizer]) -> None:
+        """The user's initial learning rate, for ``follow_lr_schedule``."""
+        if user_optimizers:
+            group = user_optimizers[0].param_groups[0]
+            self.base_lr = float(group.get("initial_lr", group["lr"]))
+
+    def step(
+        self,
+        module: nn.Module,
+        user_optimizer: torch.optim.Optimizer | None,
+        *,
+        batch: Any,
+        process_group: dist.ProcessGroup | None,
+        allow_no_backward: bool = False,
+    ) -> StepReport | None:
+        """Fetch the probe batch, log-prob pairs and token count from the module once, and
+        run the core's one-call update. A skipped step also clears the user's gradients."""
+        optimizer = self._require_optimizer()
+        if self.config.follow_lr_schedule and user_optimizer is not None and self.base_lr:
+            lr = float(user_optimizer.param_groups[0]["lr"])
+            optimizer.param_groups[0]["lr"] = self.config.update_ratio * lr / self.base_lr
+        report = optimizer.step(
+            probe=probe_batch_of(module, batch) if self.config.kl_control else None,
+            logprob_pairs=module.logra_logprob_pairs() if hasattr(module, "logra_logprob_pairs") else None,
+            normalization_tokens=normalization_tokens_of(module),
+            process_group=process_group,
+            measure_kl=self.measure_kl,
+            allow_no_backward=allow_no_backward,
+        )
+        if report is not None and report.skipped and user_optimizer is not None:
+            user_optimizer.zero_grad(set_to_none=True)
+        self.last_report = report
+        return report
+
+    # Checkpoints: LoGRA's state is a DCP checkpoint of its own in <checkpoint>/logra, the
+    # same for Trainer and Fabric; tensors only, so nothing in it is unpickled.
+    def save_state(self, folder: Path) -> None:
+        dcp.save({"logra": self._require_optimizer()}, checkpoint_id=Path(folder) / LOGRA_FOLDER)
+
+    def read_state(self, folder: Path) -> dict[str, Any]:
+        """LoGRA's saved state, checked against this run (a structural mismatch raises
+        here, before the caller loads any other state). Nothing is applied yet."""
+        location = Path(folder) / LOGRA_FOLDER
+        if not (location / ".metadata").is_file():
+            raise ValueError(f"{folder} is not a LoGRA checkpoint: it has no LoGRA state ({LOGRA_FOLDER}/)")
+        template = _empty_like(self._require_optimizer().state_dict())
+        saved = dcp.FileSystemReader(location).read_metadata().state_dict_metadata
+        for key in ("config", "layers"):  # JSON byte strings: their saved lengths decide
+            template[key] = torch.empty(tuple(saved[f"logra.{key}"].size), dtype=torch.uint8)
+        loaded = {"logra": template}
+        dcp.load(loaded, checkpoint_id=location)
+        self.optimizer.check_state(loaded["logra"])
+        return loaded["logra"]
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._require_optimizer().load_state_dict(state)
+
+    def _require_optimizer(self) -> LoGRAOptimizer:
+        if self.optimizer is None:
+            raise RuntimeError("LoGRA is not installed yet: the strategy's setup has not run")
+        return self.optimizer
+
+
+class LoGRAStrategyMixin:
+    """What both strategy classes add to their Lightning base: the LoGRA configuration and
+    runtime, data-parallel-only sizing, FSDP2 sharding of the policy, atomic checkpoints."""
+
+    def _init_logra(self, logra: LoGRAConfig | None, train_non_targets: bool, layer_classes: list[str] | None,
+                    measure_kl: bool = False) -> None:
+        self.logra_config = logra if logra is not None else LoGRAConfig()
+        self.layer_classes = layer_classes
+        self.runtime = LoGRARuntime(self.logra_config, train_non_targets=train_non_targets, measure_kl=measure_kl)
+
+    @property
+    def logra_optimizer(self) -> LoGRAOptimizer | None:
+        return self.runtime.optimizer
+
+    @property
+    def last_report(self) -> StepReport | None:
+        """What the last LoGRA step did (``report.metrics()`` for a logger)."""
+        return self.runtime.last_report
+
+    def setup_environment(self) -> None:
+        # Data-parallel only: every process is one FSDP2 shard.
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    def _shard(self, module: nn.Module, mesh: Any) -> nn.Module:
+        policy = policy_module(module, self.logra_config.target_modules)
+        shard_policy(policy, mesh["data_parallel"], self.logra_config.target_modules, self.layer_classes)
+        return module
+
+    def _data_parallel_group(self) -> dist.ProcessGroup:
+        return self.device_mesh["data_parallel"].get_group()
+
+    def _write_atomically(self, path: Any, write: Callable[[Path], None]) -> None:
+        """``write`` fills "<name>.partial", renamed into place once every rank has
+        finished, so a run killed mid-save never leaves a checkpoint that looks complete."""
+        path = Path(self.broadcast(path))
+        partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        if self.global_rank == 0 and partial.exists():
+            shutil.rmtree(partial)
+        self.barrier()
+        write(partial)
+        self.barrier()
+        if self.global_rank == 0:
+            _move_into_place(partial, path)
+        self.barrier()
+
+
+def probe_batch_of(module: nn.Module, batch: Any) -> ProbeBatch | None:
+    """``module.logra_probe_batch()`` if defined, else every next-token position of a dict
+    batch with ``input_ids`` (and ``attention_mask``), else None."""
+    if hasattr(module, "logra_probe_batch"):
+        return ProbeBatch.from_mapping(module.logra_probe_batch())
+    if isinstance(batch, Mapping) and "input_ids" in batch:
+        return ProbeBatch.from_token_batch(batch["input_ids"], batch.get("attention_mask"))
+    return None
+
+
+def normalization_tokens_of(module: nn.Module) -> float:
+    """``module.logra_normalization_tokens()`` if defined (sum-over-tokens losses), else 1."""
+    if hasattr(module, "logra_normalization_tokens"):
+        tokens = float(module.logra_normalization_tokens())
+        if not math.isfinite(tokens) or tokens <= 0:
+            raise ValueError(f"logra_normalization_tokens() returned {tokens}; it must be a count > 0")
+        return tokens
+    return 1.0
+
+
+def _empty_like(state: Any) -> Any:
+    if isinstance(state, dict):
+        return {key: _empty_like(value) for key, value in state.items()}
+    return torch.empty_like(state)
+
+
+def _move_into_place(partial: Path, path: Path) -> None:
+    """Replace ``path`` by the finished ``partial`` folder (two renames, no copying)."""
+    if path.is_file() or path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        retired = path.with_name(path.name + ".old")
+        if retired.exists():
+            shutil.rmtree(retired)
+        path.rename(retired)
+        partial.rename(path)
+        shutil.rmtree(retired)
+        return
+    partial.rename(path)
