@@ -1,18 +1,15 @@
-"""Helpers shared by the benchmarks: training through the ``logra`` CLI and reading MLflow
-back, the machine description, and stacked bar plots."""
+"""Helpers of the benchmarks that train through the ``logra`` CLI: running it, and reading
+MLflow back. (The machine description and plot helpers are in ``common``.)"""
 
 from __future__ import annotations
 
-import os
-import platform
 import sqlite3
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT
 
 
 def run_logra(arguments: list[str], environment: dict, log: Path) -> float:
@@ -38,23 +35,3 @@ def metric_history(database: Path, run_name: str, key: str) -> list[tuple[int, f
     if not rows:
         raise SystemExit(f"run {run_name!r} logged no {key!r}")
     return [(int(step), float(value)) for step, value in rows]
-
-
-def machine_info() -> dict:
-    import torch
-
-    return {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-
-
-def machine_line(machine: dict) -> str:
-    """The machine as the results tables name it."""
-    return f"Machine: {machine['processor']}, {machine['cpus']} CPUs, torch {machine['torch']}, {machine['date_utc']}"
-
-
-def stacked_bars(axis, labels: list[str], parts: dict[str, list[float]]) -> None:
-    """One bar per label, stacked from ``parts`` (legend name -> one value per label)."""
-    bottom = [0.0] * len(labels)
-    for name, values in parts.items():
-        axis.bar(labels, values, bottom=bottom, label=name)
-        bottom = [b + v for b, v in zip(bottom, values)]

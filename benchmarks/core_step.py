@@ -3,7 +3,9 @@
 One "step" = forward + backward over several micro-batches, then the update:
 
 * LoGRA: ``LoGRAOptimizer(model)`` with the default config (rank 256, Rademacher,
-  bf16 update factor); ``prepare_update(normalization_tokens=N)`` then ``step(alpha=1.0)``.
+  bf16 update factor); ``prepare_update(normalization_tokens=N)`` then
+  ``apply_update(alpha=1.0)``, timed apart (no KL probe: not the library's one-call
+  ``step``, whose pieces this benchmark times separately).
 * dense: ``torch.optim.AdamW`` (fp32) over the same target weights, which require grad;
   ``step()`` then ``zero_grad(set_to_none=True)``.
 
@@ -13,7 +15,7 @@ layers carry LoGRA target names (``mlp.gate_proj``/``mlp.up_proj``: hidden -> in
 RMS norm, float32. Both modes get an identical copy (same initial weights, same inputs) and
 run in ONE process, alternating LoGRA / dense / LoGRA / dense ..., with warm-up pairs first;
 every piece (forward, backward, prepare_update, step) is timed with ``perf_counter`` (CPU
-ops are synchronous). Reported: medians over the measured repetitions, all samples, and
+ops are synchronous; the ``step`` piece is ``apply_update``). Reported: medians over the measured repetitions, all samples, and
 the ratio median(LoGRA) / median(dense).
 
 Second part: ``lightning_logra.memory_report`` for the Qwen2.5-1.5B and 7B shapes (built on
@@ -29,11 +31,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as _dt
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -43,10 +43,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_logra import LoGRAConfig, LoGRAOptimizer, memory_report
+from lightning_logra import LoGRAConfig, LoGRAOptimizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from model_shapes import QWEN_SHAPES  # noqa: E402
+from common import machine_info, machine_line, meta_memory_rows  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PIECES = ("forward", "backward", "prepare_update", "step")
@@ -189,7 +189,7 @@ class LoGRARunner(Runner):
         t0 = time.perf_counter()
         self.optimizer.prepare_update(normalization_tokens=self.total_tokens)
         t1 = time.perf_counter()
-        self.optimizer.step(alpha=1.0)
+        self.optimizer.apply_update(alpha=1.0)
         t2 = time.perf_counter()
         times["prepare_update"] += t1 - t0
         times["step"] += t2 - t1
@@ -352,53 +352,7 @@ def profile_shape(shape: Shape, runners: dict, log) -> dict[str, str]:
     return files
 
 
-# --------------------------------------------------------------------------- memory
-def memory_rows(world_sizes=(1, 8)) -> list[dict]:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    rows = []
-    for name in ("Qwen2.5-1.5B", "Qwen2.5-7B"):
-        sizes = QWEN_SHAPES[name]
-        config = Qwen2Config(**sizes)
-        with torch.device("meta"):
-            model = Qwen2ForCausalLM(config)
-        for world in world_sizes:
-            report = memory_report(model, world_size=world)
-            rows.append({"model": name, **report.as_dict()})
-        del model
-    return rows
-
-
 # --------------------------------------------------------------------------- output
-def machine_info() -> dict:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {
-        "cpu_model": cpu,
-        "logical_cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "mkl": torch.backends.mkl.is_available(),
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-    try:
-        import psutil
-
-        info["physical_cores"] = psutil.cpu_count(logical=False)
-        info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
-    except ImportError:
-        pass
-    return info
-
-
 def code_version() -> dict:
     """The commit the core was loaded from, and whether lightning_logra/ had local edits."""
     import subprocess
@@ -465,8 +419,7 @@ def markdown(result: dict) -> str:
                          + " | ".join(f"{gib(r[k]):.3f}" for k in columns) + " |")
     code = result.get("code", {})
     lines += ["", f"Core: commit {str(code.get('git_commit'))[:10]}{' + local edits' if code.get('lightning_logra_locally_modified') else ''}. "
-              f"Machine: {result['machine']['cpu_model']}, {result['machine']['logical_cpus']} CPUs, "
-              f"torch {result['machine']['torch_version']}, {result['machine']['date_utc']}; "
+              f"{machine_line(result['machine'])}; "
               f"{result['repetitions']} repetitions after {result['warmup']} warm-up pair(s); "
               f"script runtime {result['runtime_s']:.0f} s."]
     return "\n".join(lines) + "\n"
@@ -565,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         "order": f"alternating LoGRA, dense, LoGRA, dense, ... in one process (granularity: {args.interleave})",
         "timing": [],
     }
-    log(f"machine: {result['machine']['cpu_model']}, {result['machine']['logical_cpus']} CPUs, torch {torch.__version__}")
+    log(machine_line(result["machine"]))
     for shape in shapes:
         row, runners = bench_shape(shape, args.warmup, reps, args.interleave, log)
         if args.profile:
@@ -575,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
     if not args.no_memory:
         log("memory report for Qwen2.5-1.5B / 7B on the meta device")
-        result["memory"] = memory_rows()
+        result["memory"] = meta_memory_rows(("Qwen2.5-1.5B", "Qwen2.5-7B"))
     result["runtime_s"] = time.perf_counter() - start
     out.write_text(json.dumps(result, indent=2) + "\n")
     png = out.with_suffix(".png")

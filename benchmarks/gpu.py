@@ -11,10 +11,10 @@ so a run cut short keeps what it measured):
    rollout of 2 sequences (prompt of ``tokens - new_tokens`` random ids, ``new_tokens``
    sampled), then 2 micro-batches of one 2,048-token sequence each (forward with chunked
    log-probs, REINFORCE-shaped loss, backward with activation checkpointing) and the
-   update (LoGRA: ``prepare_update``, KL probe on the 2 sequences, ``step``; dense: fused
-   AdamW). float32 master weights, bf16 autocast compute. Recorded: peak
-   ``torch.cuda.max_memory_allocated`` per phase and overall, or the phase that ran out
-   of memory.
+   update (``common.Runner.step``; LoGRA: the library's ``LoGRAOptimizer.step``, i.e.
+   prepare, KL probe on the 2 sequences, apply; dense: fused AdamW). float32 master
+   weights, bf16 autocast compute. Recorded: peak ``torch.cuda.max_memory_allocated`` per
+   phase and overall, or the phase that ran out of memory.
 2. **1.5B memory.** ``Qwen2.5-1.5B`` config, dense AdamW, LoRA r=256 (peft, all seven
    projections) and LoGRA r=256, each in its own process: 2 micro-batches of 4,096 tokens,
    rollout excluded (the CPU memory benchmark's step at a realistic size).
@@ -42,17 +42,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import ROOT, machine_info, machine_line  # noqa: E402
+from common import (MODES, ROOT, Clock, Runner, StepHooks, alternate_modes, argument_parser, build_mode,  # noqa: E402
+                    machine_info, machine_line, save_figure, save_json, summarise_samples, write_outputs)
 
 # The device machine runs this from a copy of the checkout, with the package not installed
 # (its image has torch, transformers, peft and lightning, which is all the GPU parts need).
 sys.path.insert(1, str(ROOT))
 from model_shapes import QWEN_SHAPES  # noqa: E402
-from speed import alternate_modes, summarise_samples  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-RANK = 256
-MODES = ("dense", "lora", "logra")
 FIT_SIZES = {"logra": ("Qwen2.5-7B", "Qwen2.5-14B", "27B-class"), "dense": ("Qwen2.5-1.5B", "Qwen2.5-7B", "Qwen2.5-14B")}
 FIT_TOKENS, FIT_NEW_TOKENS, FIT_MICRO_BATCHES = 2048, 64, 2
 SIZE_SHAPE, SIZE_TOKENS, MEMORY_MICRO_BATCHES, SPEED_MICRO_BATCHES, SPEED_REPS = "Qwen2.5-1.5B", 4096, 2, 4, 5
@@ -88,106 +86,47 @@ def build_model(shape: dict, device: "torch.device"):
     model.model.rotary_emb = Qwen2RotaryEmbedding(config).to(device)
     model.generation_config.eos_token_id = None  # random weights: always generate new_tokens
     model.generation_config.pad_token_id = 0
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-class Trainer:
-    """One mode's model and optimizer; ``step`` runs one training step and times its pieces."""
+def device_hooks(device: "torch.device") -> StepHooks:
+    """bf16 autocast compute over float32 master weights; on CUDA, every clock read waits
+    for the device's queue."""
+    import functools
 
-    def __init__(self, mode: str, shape: dict, device: "torch.device", state: dict | None = None):
-        import torch
+    import torch
 
-        from lightning_logra import LoGRAConfig, LoGRAOptimizer
-
-        self.mode, self.device = mode, device
-        model = build_model(shape, device)
-        if state is not None:
-            model.load_state_dict(state)
-        if mode == "lora":
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(LoGRAConfig().target_modules)))
-        self.model = model
-        self.logra = LoGRAOptimizer(model, LoGRAConfig(rank=RANK), compute_dtype=torch.bfloat16) if mode == "logra" else None
-        if mode != "logra":
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            self.optimizer = torch.optim.AdamW(trainable, lr=1e-6, betas=(0.9, 0.95), fused=device.type == "cuda")
-
-    def autocast(self):
-        import torch
-
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
-
-    def rollout(self, batch: int, prompt_tokens: int, new_tokens: int, generator) -> "torch.Tensor":
-        import torch
-
-        prompts = torch.randint(0, self.model.config.vocab_size, (batch, prompt_tokens), generator=generator).to(self.device)
-        self.model.eval()
-        with torch.no_grad(), self.autocast():
-            sequences = self.model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
-                                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, output_logits=True,
-                                            return_dict_in_generate=True).sequences
-        self.model.train()
-        return sequences
-
-    def step(self, sequences: list, advantages: list[float], phase=lambda name: None) -> dict[str, float]:
-        """Forward + backward over ``sequences`` (one micro-batch each), then the update.
-
-        ``phase(name)`` is called as each phase ends (the caller reads its memory there)."""
-        import torch
-
-        from lightning_logra import kl_step_scale, probe_predicted_kl
-        from lightning_logra.modules.logprobs import sequence_logprobs
-
-        times = {"forward_backward": 0.0, "update": 0.0, "kl_probe": 0.0}
-        clock = Clock(self.device)
-        for sequence, advantage in zip(sequences, advantages):
-            with self.autocast():
-                logprobs = sequence_logprobs(self.model, sequence, torch.ones_like(sequence))
-            (-(advantage * logprobs).mean() / len(sequences)).backward()
-        times["forward_backward"] = clock.lap()
-        phase("forward_backward")
-        if self.logra is None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            times["update"] = clock.lap()
-        else:
-            self.logra.prepare_update(normalization_tokens=sum(s.numel() for s in sequences))
-            times["update"] = clock.lap()
-            probe = torch.cat(sequences)
-            logits_mask = torch.ones_like(probe, dtype=torch.bool)
-            logits_mask[:, -1] = False
-            # Under autocast, as in GRPOModule, whose optimizer step runs inside its training step.
-            with self.autocast():
-                prediction = probe_predicted_kl(self.model, self.logra.probe_layers(), probe, torch.ones_like(probe), logits_mask)
-            times["kl_probe"] = clock.lap()
-            phase("kl_probe")
-            self.logra.step(alpha=kl_step_scale(prediction, budget=2e-4))
-            times["update"] += clock.lap()
-        phase("update")
-        times["step"] = sum(times.values())
-        return times
+    synchronize = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else (lambda: None)
+    return StepHooks(context=functools.partial(torch.autocast, device.type, dtype=torch.bfloat16), synchronize=synchronize)
 
 
-class Clock:
-    """Seconds between calls, with the device's queue drained first."""
+def make_runner(mode: str, shape: dict, device: "torch.device", tokens: int, micro_batches: int, state: dict | None = None) -> Runner:
+    """``mode`` on a fresh model of ``shape`` (with ``state``'s weights, if given). LoGRA
+    probes every sequence of a step at full length, as this script always has: both set
+    explicitly (the library's defaults probe 2 rows of at most 4,096 tokens)."""
+    import torch
 
-    def __init__(self, device):
-        self.device = device
-        self.last = self._now()
+    model = build_model(shape, device)
+    if state is not None:
+        model.load_state_dict(state)
+    return build_mode(mode, model, probe_responses=micro_batches, probe_max_tokens=tokens, compute_dtype=torch.bfloat16,
+                      hooks=device_hooks(device))
 
-    def _now(self) -> float:
-        import torch
 
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+def rollout(runner: Runner, batch: int, prompt_tokens: int, new_tokens: int, generator) -> "torch.Tensor":
+    """``batch`` sequences: random prompt ids, then ``new_tokens`` sampled by HF ``generate``."""
+    import torch
 
-    def lap(self) -> float:
-        now = self._now()
-        seconds, self.last = now - self.last, now
-        return seconds
+    model = runner.model
+    device = next(model.parameters()).device
+    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_tokens), generator=generator).to(device)
+    model.eval()
+    with torch.no_grad(), runner.hooks.context():
+        sequences = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
+                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, output_logits=True,
+                                   return_dict_in_generate=True).sequences
+    model.train()
+    return sequences
 
 
 class PeakMemory:
@@ -227,16 +166,16 @@ def child_fit(mode: str, shape: dict, tokens: int, new_tokens: int, micro_batche
     memory = PeakMemory(device)
     result = {"phases_gib": memory.phases}
     try:
-        trainer = Trainer(mode, shape, device)
+        runner = make_runner(mode, shape, device, tokens, micro_batches)
         memory.end_phase("build")
         result["weights_gib"] = memory.allocated_gib()
-        result["parameters"] = sum(p.numel() for p in trainer.model.parameters())
-        clock = Clock(device)
-        sequences = trainer.rollout(micro_batches, tokens - new_tokens, new_tokens, generator)
+        result["parameters"] = sum(p.numel() for p in runner.model.parameters())
+        clock = Clock(runner.hooks.synchronize)
+        sequences = rollout(runner, micro_batches, tokens - new_tokens, new_tokens, generator)
         result["rollout_s"] = clock.lap()
         memory.end_phase("rollout")
         advantages = torch.randn(micro_batches, generator=generator).tolist()
-        result["step_s"] = trainer.step([row[None] for row in sequences], advantages, phase=memory.end_phase)
+        result["step_s"] = runner.step([row[None] for row in sequences], advantages, phase=memory.end_phase)
         result["fits"] = True
     except torch.OutOfMemoryError as error:
         result["fits"] = False
@@ -252,13 +191,13 @@ def child_memory(mode: str, shape: dict, tokens: int, micro_batches: int, device
 
     generator = torch.Generator().manual_seed(1)
     memory = PeakMemory(device)
-    trainer = Trainer(mode, shape, device)
+    runner = make_runner(mode, shape, device, tokens, micro_batches)
     memory.end_phase("build")
     sequences = [torch.randint(0, shape["vocab_size"], (1, tokens), generator=generator).to(device) for _ in range(micro_batches)]
-    seconds = trainer.step(sequences, torch.randn(micro_batches, generator=generator).tolist(), phase=memory.end_phase)
-    model, logra = trainer.model, trainer.logra
+    seconds = runner.step(sequences, torch.randn(micro_batches, generator=generator).tolist(), phase=memory.end_phase)
+    model, logra = runner.model, runner.logra
     if logra is None:
-        state = [t for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+        state = [t for s in runner.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
     else:
         state = [logra.sketches.buffer] + [s.projection for s in logra.sketches] + [s.second_moment for s in logra.sketches]
     step_phases = {k: v for k, v in memory.phases.items() if k != "build"}
@@ -281,7 +220,7 @@ def child_speed(shape: dict, tokens: int, micro_batches: int, reps: int, device)
     import torch
 
     state = build_model(shape, device).state_dict()
-    trainers = {mode: Trainer(mode, shape, device, state) for mode in MODES}
+    runners = {mode: make_runner(mode, shape, device, tokens, micro_batches, state) for mode in MODES}
     del state
     generator = torch.Generator().manual_seed(2)
 
@@ -289,7 +228,7 @@ def child_speed(shape: dict, tokens: int, micro_batches: int, reps: int, device)
         return ([torch.randint(0, shape["vocab_size"], (1, tokens), generator=generator).to(device) for _ in range(micro_batches)],
                 torch.randn(micro_batches, generator=generator).tolist())
 
-    return summarise_samples(alternate_modes(trainers, batch, reps))
+    return summarise_samples(alternate_modes(runners, batch, reps))
 
 
 def run_child(arguments: dict) -> dict:
@@ -317,8 +256,7 @@ class Run:
         return dict(SMOKE_SHAPE, tie_word_embeddings=QWEN_SHAPES[name]["tie_word_embeddings"]) if self.smoke else QWEN_SHAPES[name]
 
     def save(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "gpu.json").write_text(json.dumps(self.result, indent=1))
+        save_json(self.out / "gpu.json", self.result)
         (self.out / "gpu.md").write_text(render(self.result) + "\n")
 
     def child(self, label: str, arguments: dict, timeout_s: float) -> dict | None:
@@ -377,7 +315,7 @@ class Run:
     def vllm(self) -> None:
         import importlib.util
 
-        from lightning_logra.modules.policy import BUILTIN_MODELS
+        from lightning_logra.models import BUILTIN_MODELS
 
         missing = [name for name in ("vllm", BUILTIN_MODELS["smollm2-135m-instruct"].package, "gguf", "accelerate")
                    if importlib.util.find_spec(name) is None]
@@ -499,20 +437,17 @@ def plot(result: dict, path: Path) -> None:
     if result["device_memory_gib"]:
         axis.axhline(result["device_memory_gib"], color="gray", linestyle="--", label="device memory")
     axis.set_ylabel("peak torch.cuda.max_memory_allocated, GiB")
-    axis.legend(fontsize=8)
     axis.set_title(f"One RL step on {result['device']}, {result['machine']['date_utc'][:10]}: {result['command']}", fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
+    save_figure(figure, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__, render_help="only redraw gpu.md and gpu.png from a results file")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for gpu.json and gpu.md (default: benchmarks/results)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="a tiny model for every config: checks the code paths, measures nothing")
     parser.add_argument("--budget-s", type=float, default=540.0, help="parts that would start later are recorded as not run")
     parser.add_argument("--parts", nargs="+", default=["fit", "memory", "speed", "vllm"], choices=["fit", "memory", "speed", "vllm"])
-    parser.add_argument("--render", type=Path, metavar="JSON", help="only redraw gpu.md and gpu.png from a results file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -520,9 +455,7 @@ def main() -> None:
         return
     if args.render:
         result = json.loads(args.render.read_text())
-        (args.render.parent / "gpu.md").write_text(render(result) + "\n")
-        plot(result, args.render.parent / "gpu.png")
-        print(render(result))
+        write_outputs(args.render.parent / "gpu", result, render, plot)
         return
     if args.device.startswith("cuda"):
         import torch

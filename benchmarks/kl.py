@@ -15,7 +15,6 @@ steps; measured >= 0.5 x budget on >= 90% of the steps whose alpha was below alp
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -24,7 +23,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import ROOT, machine_info, machine_line, metric_history, run_logra  # noqa: E402
+from cli_runs import metric_history, run_logra  # noqa: E402
+from common import ROOT, argument_parser, cpu_caption, machine_info, machine_line, save_figure, save_json, write_outputs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEPS = 24
@@ -119,24 +119,19 @@ def plot(result: dict, path: Path) -> None:
     scatter.plot([low, high], [low, high], color="grey", linewidth=1, label="y = x")
     scatter.set(xscale="log", yscale="log", xlabel="predicted KL of the applied update (alpha^2 x probe)",
                 ylabel="measured KL (full vocabulary, probe responses)")
-    scatter.legend(fontsize=8)
     steps = [r["step"] + 1 for r in rows]
     budget.plot(steps, [r["budget"] for r in rows], color="black", label="budget (after mismatch)")
     budget.fill_between(steps, [0.5 * r["budget"] for r in rows], [1.5 * r["budget"] for r in rows], color="grey", alpha=0.2,
                         label="0.5x to 1.5x budget")
     budget.plot(steps, measured, marker="o", markersize=3, label="measured KL")
     budget.set(xlabel="update", ylabel="KL per generated token")
-    budget.legend(fontsize=8)
-    figure.suptitle(f"LoGRA KL control, SmolLM2-135M-Instruct on arithmetic:1 - CPU ({result['machine']['cpus']} cores), "
-                    f"{result['machine']['date_utc'][:10]}, python benchmarks/kl.py", fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
+    save_figure(figure, path, f"LoGRA KL control, SmolLM2-135M-Instruct on arithmetic:1 - {cpu_caption(result['machine'])}, "
+                              "python benchmarks/kl.py")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument("--render", type=Path, metavar="JSON", help="only redraw .md/.png from a results file")
     args = parser.parse_args()
     if args.render:
         result = json.loads(args.render.read_text())
@@ -148,11 +143,8 @@ def main() -> None:
         result = measure(args.steps, work)
         result.update({"command": " ".join(["python", "benchmarks/kl.py", *sys.argv[1:]]), "machine": machine_info()})
         result["summary"] = summarise(result["steps"])
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "kl.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / "kl.md").write_text(render(result) + "\n")
-    plot(result, RESULTS / "kl.png")
-    print(render(result))
+        save_json(RESULTS / "kl.json", result)
+    write_outputs(RESULTS / "kl", result, render, plot)
 
 
 if __name__ == "__main__":

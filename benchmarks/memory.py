@@ -2,8 +2,9 @@
 
 Each mode runs in its own fresh process. One step = 2 micro-batches of 2,048 tokens
 (forward with chunked, checkpointed token log-probs, a policy-gradient loss, backward with
-activation checkpointing) then the optimizer step; for LoGRA also the KL probe on the two
-sequences. Rollout generation is excluded. The model is fixed before measuring
+activation checkpointing) then the optimizer step (``common.Runner.step``); for LoGRA the
+library's ``LoGRAOptimizer.step``, with its KL probe on the two sequences. Rollout
+generation is excluded. The model is fixed before measuring
 (``model_shapes.BENCH_156M``): a random-init Qwen2, hidden 1024, intermediate 2816, 8
 layers, 16 heads, 4 KV heads, vocabulary 32000, untied embeddings (155.7M parameters),
 float32.
@@ -26,23 +27,21 @@ the reference's replicated float32 layout and dense AdamW's gradient + moments.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import machine_info, machine_line, stacked_bars  # noqa: E402
+from common import (MODES, RANK, argument_parser, build_mode, cpu_caption, machine_info, machine_line,  # noqa: E402
+                    meta_memory_rows, save_figure, save_json, stacked_bars, write_outputs)
 from model_shapes import BENCH_156M, QWEN_SHAPES  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-MODES = ("dense", "lora", "logra")
 MIB = 2**20
-TOKENS, MICRO_BATCHES, RANK = 2048, 2, 256
+TOKENS, MICRO_BATCHES = 2048, 2
 TARGETS = {"dense": 0.40, "lora": 0.50}  # LoGRA / mode
 
 
@@ -63,51 +62,31 @@ def run_mode(mode: str, logprob_chunk: int) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from lightning_logra import LoGRAConfig, LoGRAOptimizer, kl_step_scale, probe_predicted_kl
-    from lightning_logra.modules.logprobs import sequence_logprobs
-
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, BENCH_156M["vocab_size"], (1, TOKENS), generator=generator) for _ in range(MICRO_BATCHES)]
     advantages = torch.randn(MICRO_BATCHES, generator=generator)
     baseline = rss_mib()
 
-    model = Qwen2ForCausalLM(Qwen2Config(**BENCH_156M))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    logra = None
-    if mode == "lora":
-        from peft import LoraConfig, get_peft_model
+    # LoGRA probes both sequences at full length, as this benchmark always has (set explicitly).
+    runner = build_mode(mode, Qwen2ForCausalLM(Qwen2Config(**BENCH_156M)), probe_responses=MICRO_BATCHES,
+                        probe_max_tokens=TOKENS, logprob_chunk=logprob_chunk)
+    model, logra = runner.model, runner.logra
+    phases, gradients = {}, []
 
-        model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(LoGRAConfig().target_modules)))
-    if mode == "logra":
-        logra = LoGRAOptimizer(model, LoGRAConfig(rank=RANK))
-    else:
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6, betas=(0.9, 0.95))
+    def end_phase(name: str) -> None:
+        if name == "forward_backward":  # the gradients exist until the optimizer step
+            gradients.append(tensor_mib(p.grad for p in model.parameters() if p.grad is not None))
+        if name != "update":
+            phases[name] = peak_rss_mib() - baseline
 
-    started = time.perf_counter()
-    for batch, advantage in zip(batches, advantages):
-        mask = torch.ones_like(batch)
-        logprobs = sequence_logprobs(model, batch, mask, chunk_size=logprob_chunk)
-        loss = -(advantage * logprobs).mean() / MICRO_BATCHES  # REINFORCE-shaped loss
-        loss.backward()
-    gradients = tensor_mib(p.grad for p in model.parameters() if p.grad is not None)
-    phases = {"forward_backward": peak_rss_mib() - baseline}
+    seconds = runner.step(batches, advantages, phase=end_phase)["step"]
     if logra is None:
-        optimizer.step()
-        optimizer_state = tensor_mib(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+        optimizer_state = tensor_mib(t for state in runner.optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
         logra_state = 0.0
     else:
-        logra.prepare_update(normalization_tokens=TOKENS * MICRO_BATCHES)
-        input_ids = torch.cat(batches)
-        logits_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        logits_mask[:, -1] = False
-        prediction = probe_predicted_kl(model, logra.probe_layers(), input_ids, torch.ones_like(input_ids), logits_mask)
-        phases["kl_probe"] = peak_rss_mib() - baseline
-        logra.step(alpha=kl_step_scale(prediction, budget=2e-4))
         optimizer_state = 0.0
         logra_state = tensor_mib([logra.sketches.buffer] + [s.projection for s in logra.sketches] + [s.second_moment for s in logra.sketches])
-    seconds = time.perf_counter() - started
     weights = tensor_mib(model.parameters())
     peak = peak_rss_mib() - baseline
     phases["step"] = peak
@@ -120,30 +99,13 @@ def run_mode(mode: str, logprob_chunk: int) -> dict:
         "peak_after_mib": phases,
         "breakdown_mib": {
             "weights": weights,
-            "gradients": gradients,
+            "gradients": gradients[0],
             "optimizer_state": optimizer_state,
             "logra_state": logra_state,
-            "activations_and_temporaries": peak - weights - gradients - optimizer_state - logra_state,
+            "activations_and_temporaries": peak - weights - gradients[0] - optimizer_state - logra_state,
         },
         "step_seconds": seconds,
     }
-
-
-def analytic_rows(world_sizes=(1, 8)) -> list[dict]:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from lightning_logra import memory_report
-
-    rows = []
-    for name, shape in QWEN_SHAPES.items():
-        with torch.device("meta"):
-            model = Qwen2ForCausalLM(Qwen2Config(**shape))
-        parameters = sum(p.numel() for p in model.parameters())
-        for world in world_sizes:
-            rows.append({"model": name, "parameters": parameters, **memory_report(model, world_size=world).as_dict()})
-        del model
-    return rows
 
 
 def render(result: dict) -> str:
@@ -203,8 +165,7 @@ def plot(result: dict, path: Path) -> None:
                                          for part in parts})
     measured.set_ylabel("GiB (peak RSS above the pre-model baseline)")
     measured.set_title(f"One RL step, 156M Qwen2, {MICRO_BATCHES} x {TOKENS} tokens\n"
-                       f"CPU ({result['machine']['cpus']} cores), {result['machine']['date_utc'][:10]}, python benchmarks/memory.py", fontsize=9)
-    measured.legend(fontsize=8)
+                       f"{cpu_caption(result['machine'])}, python benchmarks/memory.py", fontsize=9)
     names = list(QWEN_SHAPES)
     width = 0.27
     for offset, (key, label) in enumerate([("logra_state_bytes", "LoGRA state"), ("reference_bytes", "reference layout"),
@@ -215,18 +176,15 @@ def plot(result: dict, path: Path) -> None:
     analytic.set_xticks(range(len(names)), names, fontsize=8)
     analytic.set_ylabel("GiB per rank (world size 1, log scale)")
     analytic.set_title("Analytic optimizer-side state, rank 256 (meta device)", fontsize=9)
-    analytic.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
+    save_figure(figure, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--mode", choices=MODES, help="run one mode in this process and print its JSON")
     parser.add_argument("--logprob-chunks", default=None,
                         help="comma-separated log-prob chunk sizes to measure (default: the library default, then 1024)")
     parser.add_argument("--glibc-default", action="store_true", help="keep glibc's adaptive mmap threshold")
-    parser.add_argument("--render", type=Path, metavar="JSON", help="only redraw .md/.png from a results file")
     args = parser.parse_args()
     from lightning_logra.modules.logprobs import DEFAULT_CHUNK_SIZE
 
@@ -237,9 +195,7 @@ def main() -> None:
         result = json.loads(args.render.read_text())
     else:
         result = measure(args, DEFAULT_CHUNK_SIZE)
-    (RESULTS / "memory.md").write_text(render(result) + "\n")
-    plot(result, RESULTS / "memory.png")
-    print(render(result))
+    write_outputs(RESULTS / "memory", result, render, plot)
 
 
 def measure(args, default_chunk: int) -> dict:
@@ -266,10 +222,9 @@ def measure(args, default_chunk: int) -> dict:
         "model": BENCH_156M, "tokens_per_micro_batch": TOKENS, "micro_batches": MICRO_BATCHES, "rank": RANK,
         "library_logprob_chunk": default_chunk,
         "runs": runs,
-        "analytic": analytic_rows(),
+        "analytic": meta_memory_rows(),
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "memory.json").write_text(json.dumps(result, indent=1))
+    save_json(RESULTS / "memory.json", result)
     return result
 
 

@@ -21,7 +21,6 @@ Run logs and the MLflow store of every run stay in ``lightning_logs/quality``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -30,7 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import ROOT, machine_info, machine_line, metric_history, run_logra  # noqa: E402
+from cli_runs import metric_history, run_logra  # noqa: E402
+from common import ROOT, argument_parser, cpu_caption, machine_info, machine_line, save_figure, save_json, write_outputs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEPS = 12
@@ -167,21 +167,16 @@ def plot(result: dict, path: Path) -> None:
         validation.plot([0] + [s + 1 for s in steps[1:]], values, marker="o", **style)
     reward.set(xlabel="step (rollout batch)", ylabel="training reward (mean of 32 samples, T=1)")
     validation.set(xlabel="updates applied", ylabel=f"validation pass@1 ({result['val_size']} prompts x 4, T=0.7)")
-    for axis in (reward, validation):
-        axis.legend(fontsize=7)
-    figure.suptitle(f"GRPO, SmolLM2-135M-Instruct, arithmetic:1 - CPU ({result['machine']['cpus']} cores), "
-                    f"{result['machine']['date_utc'][:10]}, python benchmarks/quality.py (solid: best of sweep)", fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
+    save_figure(figure, path, f"GRPO, SmolLM2-135M-Instruct, arithmetic:1 - {cpu_caption(result['machine'])}, "
+                              "python benchmarks/quality.py (solid: best of sweep)", legend_fontsize=7)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--val-every", type=int, default=VAL_EVERY)
     parser.add_argument("--val-size", type=int, default=VAL_SIZE)
     parser.add_argument("--out", default="quality", help="results file stem under benchmarks/results")
-    parser.add_argument("--render", type=Path, metavar="JSON", help="only redraw .md/.png from a results file")
     parser.add_argument("--add", nargs="+", metavar="RUN",
                         help="run extra sweep points (e.g. lora-lr=1e-5) into results/<out>.json, reusing its settings, step 0 "
                              "and MLflow store")
@@ -194,7 +189,7 @@ def main() -> None:
         result = json.loads(stem.with_suffix(".json").read_text())
         add_runs(result, args.add, ROOT / "lightning_logs" / "quality")
         result["summary"] = summarise(result)
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        save_json(stem.with_suffix(".json"), result)
     else:
         work = ROOT / "lightning_logs" / "quality"  # run logs and the MLflow store, kept for inspection
         if work.exists():
@@ -207,12 +202,9 @@ def main() -> None:
             "steps": args.steps, "val_every": args.val_every, "val_size": args.val_size,
         })
         result["summary"] = summarise(result)
-        RESULTS.mkdir(exist_ok=True)
         stem = RESULTS / args.out
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".md").write_text(render(result) + "\n")
-    plot(result, stem.with_suffix(".png"))
-    print(render(result))
+        save_json(stem.with_suffix(".json"), result)
+    write_outputs(stem, result, render, plot)
 
 
 if __name__ == "__main__":
