@@ -97,8 +97,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """One LoGRA update: prepare -> budget -> probe -> scale -> apply -> redraw.
 
         ``probe``: responses to predict the KL on (``ProbeBatch`` or its dict form; its
-        first ``probe_responses`` rows are probed); needed unless ``kl_control`` is off. ``logprob_pairs``: (rollout log-probs, trainer
-        log-probs, mask of EOS-terminated completion tokens) for the mismatch term.
+        first ``probe_responses`` rows are probed); needed unless ``kl_control`` is off.
+        ``logprob_pairs``: (rollout log-probs, trainer log-probs, mask of EOS-terminated
+        completion tokens) for the mismatch term.
         ``normalization_tokens``: the global count of loss-bearing tokens when the loss is
         a sum over tokens (1 for a mean loss). ``process_group``: the data-parallel group
         (default: the whole world when torch.distributed is initialised). With
