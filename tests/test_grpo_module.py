@@ -14,7 +14,8 @@ from tests.distributed import run_lightning_on_two_ranks
 
 LOGGED = {"reward/mean", "reward/std", "reward/zero_std_groups", "reward/failures", "completion/length_mean",
           "completion/length_max", "completion/clipped_fraction", "policy/entropy", "policy/clip_fraction",
-          "policy/rollout_trainer_logprob_gap", "perf/tokens_per_second"}
+          "policy/rollout_trainer_logprob_gap", "perf/tokens_per_second", "perf/generation_s", "perf/rewards_s",
+          "perf/forward_backward_s", "perf/optimizer_step_s", "perf/weight_sync_s"}
 
 
 def varied_reward(completions, answers):
@@ -66,7 +67,7 @@ def test_logra_changes_exactly_the_target_weights(model_folder):
     changed, logged = fit(grpo, model_folder, strategy=strategy, callbacks=[LoGRACallback()])
     targets = {f"{state.name}.weight" for state in strategy.logra_optimizer.sketches}
     assert len(targets) == 14 and changed == targets
-    assert LOGGED | {"logra/alpha", "logra/predicted_kl", "logra/mismatch"} <= set(logged)
+    assert LOGGED | {"logra/alpha", "logra/predicted_kl", "logra/mismatch", "perf/logra_probe_s"} <= set(logged)
     assert strategy.logra_optimizer.update_count == 2
 
 

@@ -127,16 +127,18 @@ class GRPOModule(L.LightningModule):
     # Training ---------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
         config, started = self.rollout_config, time.perf_counter()
+        phases = PhaseClock()
         # Sampling randomness is derived from (seed, step, rank), not carried over from
         # earlier steps: a resumed run samples exactly what the uninterrupted one did.
         torch.manual_seed(sampling_seed(self.seed, self.global_step, self.global_rank))
         with memory_phase("rollout", ROLLOUT_HINT):
             rollouts = self.engine.generate(batch["prompt_text"], num_generations=config.num_generations)
-        generated_s = time.perf_counter() - started
+        phases.lap("generation")
         answers = [answer for answer in batch["answer"] for _ in range(config.num_generations)]
         scores, failures = self.reward_runner(rollouts.completion_text, answers)
         rewards = torch.tensor(scores, dtype=torch.float32, device=self.device)
         advantages = self._advantages(rewards)
+        phases.lap("rewards")
 
         input_ids, attention_mask = rollouts.input_ids, rollouts.attention_mask
         mask = rollouts.completion_mask[:, 1:].bool()  # log-prob t scores token t + 1
@@ -145,6 +147,7 @@ class GRPOModule(L.LightningModule):
         if self.reference is not None:
             with torch.no_grad(), memory_phase("backward", BACKWARD_HINT):
                 reference_logprobs = self._logprobs(self.reference, input_ids, attention_mask)
+            phases.lap("reference")
 
         rows, tokens = self._global_counts(mask)
         world = self.trainer.world_size
@@ -173,13 +176,16 @@ class GRPOModule(L.LightningModule):
             for key, value in stats.items():
                 stats_sum[key] = stats_sum.get(key, 0) + value * mask[part].sum()
         trainer_logprobs = torch.cat(trainer_parts)
+        phases.lap("forward_backward")
         self._remember(rollouts, mask, rollout_logprobs, trainer_logprobs)  # read by the LoGRA strategy in step()
-        optimizer.step()
+        optimizer.step()  # under logra_fsdp: the whole LoGRA update, split further in perf/logra_*
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
+        phases.lap("optimizer_step")
         self.engine.sync_weights(self.policy)
-        self._log_training(rewards, failures, rollouts, mask, trainer_logprobs, rollout_logprobs, entropy_sum, stats_sum, generated_s, started)
+        phases.lap("weight_sync")
+        self._log_training(rewards, failures, rollouts, mask, trainer_logprobs, rollout_logprobs, entropy_sum, stats_sum, phases.seconds, started)
 
     @property
     def _per_token_normaliser(self) -> bool:
@@ -299,7 +305,7 @@ class GRPOModule(L.LightningModule):
             dist.all_reduce(counts)
         return counts[0], counts[1]
 
-    def _log_training(self, rewards, failures, rollouts, mask, trainer_logprobs, rollout_logprobs, entropy_sum, stats_sum, generated_s, started):
+    def _log_training(self, rewards, failures, rollouts, mask, trainer_logprobs, rollout_logprobs, entropy_sum, stats_sum, phase_seconds, started):
         n = self.rollout_config.num_generations
         lengths = rollouts.completion_mask.sum(dim=1).float()
         groups = rewards.view(-1, n)
@@ -330,12 +336,25 @@ class GRPOModule(L.LightningModule):
             "policy/rollout_trainer_logprob_gap": gap_sum / token_count,
             "policy/rollout_trainer_logprob_gap_abs": gap_abs / token_count,
             "perf/tokens_per_second": token_count / max(time.perf_counter() - started, 1e-9),
-            "perf/generation_seconds": generated_s,
+            **{f"perf/{phase}_s": seconds for phase, seconds in phase_seconds.items()},
         }
         for key, value in zip(sorted(stats_sum), extra):
             metrics[f"policy/{key}"] = value / token_count
         for key, value in metrics.items():
             self.log(key, value, on_step=True, prog_bar=key == "reward/mean", batch_size=1)
+
+
+class PhaseClock:
+    """Wall-clock seconds of the consecutive phases of one step (this rank's)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = now - self._last
+        self._last = now
 
 
 def sampling_seed(seed: int, step: int, rank: int) -> int:

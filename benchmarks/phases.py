@@ -1,0 +1,135 @@
+"""Where one RL step's wall time goes: dense AdamW vs LoRA r=256 vs LoGRA r=256 on the
+quickstart task, phase by phase, from the ``perf/*`` metrics every run logs.
+
+The three quickstart configs run through the ``logra`` CLI one after the other (same
+seeds, same prompts, the configs' 12 steps), without validation so that only training
+steps are timed. Phases, as ``GRPOModule`` logs them: ``generation`` (HF ``generate``),
+``rewards`` (scoring and advantages), ``forward_backward`` (every micro-batch),
+``optimizer_step`` (AdamW, or the whole LoGRA update, itself split into
+``logra_prepare`` / ``logra_probe`` / ``logra_apply``), ``weight_sync`` (the rollout
+engine's). The per-step median of each phase is reported; the first step (warm-up) is
+left out. Run it alone on the machine: it measures wall time.
+
+    python benchmarks/phases.py      # about 20 minutes on 2 CPU cores; results/phases.{json,md,png}
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_runs import metric_history, run_logra  # noqa: E402
+from common import argument_parser, cpu_caption, machine_info, machine_line, save_figure, save_json, write_outputs  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONFIGS = {"dense": "configs/quickstart_dense.yaml", "lora": "configs/quickstart_lora.yaml", "logra": "configs/quickstart.yaml"}
+PHASES = ("generation", "rewards", "forward_backward", "optimizer_step", "weight_sync")
+LOGRA_PHASES = ("logra_prepare", "logra_probe", "logra_apply")
+
+
+def measure(work: Path) -> dict:
+    database = work / "mlflow.db"
+    environment = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{database}")
+    modes = {}
+    for mode, config in CONFIGS.items():
+        print(f"{mode}: logra fit -c {config}", flush=True)
+        seconds = run_logra(["fit", "-c", config, "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={work}",
+                             "--trainer.logger.init_args.experiment_name=phases", f"--trainer.logger.init_args.run_name={mode}"],
+                            environment, work / f"{mode}.log")
+        modes[mode] = read_mode(database, mode, seconds)
+        print(f"  {seconds:.0f} s; median step phases: "
+              + ", ".join(f"{p} {modes[mode]['median_s'][p]:.2f}" for p in PHASES), flush=True)
+    return {"modes": modes}
+
+
+def read_mode(database: Path, mode: str, wall_seconds: float) -> dict:
+    """One run's phases per step from its MLflow store, their medians over steps 1.., and
+    generation time per completion token (completions differ in length once the methods'
+    policies differ; at step 0 policy and completions are identical)."""
+    phases = PHASES + (LOGRA_PHASES if mode == "logra" else ())
+    steps = {phase: [value for _, value in metric_history(database, mode, f"perf/{phase}_s")] for phase in phases}
+    lengths = [value for _, value in metric_history(database, mode, "completion/length_mean")]
+    return {
+        "wall_seconds": wall_seconds, "per_step": steps, "completion_length_mean": lengths,
+        "median_s": {phase: statistics.median(values[1:]) for phase, values in steps.items()},
+        "generation_s_per_token": statistics.median(g / n for g, n in zip(steps["generation"][1:], lengths[1:])),
+    }
+
+
+def step_seconds(mode: dict) -> float:
+    return sum(mode["median_s"][phase] for phase in PHASES)
+
+
+def render(result: dict) -> str:
+    modes = result["modes"]
+    lines = [
+        "| mode | " + " | ".join(PHASES) + " | step (sum) | run wall s |",
+        "|---|" + "---:|" * (len(PHASES) + 2),
+    ]
+    for name, mode in modes.items():
+        cells = [f"{mode['median_s'][phase]:.2f}" for phase in PHASES]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {step_seconds(mode):.2f} | {mode['wall_seconds']:.0f} |")
+    logra, dense, lora = modes["logra"], modes["dense"], modes["lora"]
+    lines += [
+        "",
+        "LoGRA's update, median s per step: " + ", ".join(f"{p} {logra['median_s'][p]:.2f}" for p in LOGRA_PHASES) + ".",
+        "",
+        f"LoGRA / dense AdamW, step: **{step_seconds(logra) / step_seconds(dense):.3f}**; whole run: "
+        f"{logra['wall_seconds'] / dense['wall_seconds']:.3f}. LoGRA / LoRA, step: "
+        f"{step_seconds(logra) / step_seconds(lora):.3f}; whole run: {logra['wall_seconds'] / lora['wall_seconds']:.3f}.",
+        "",
+        "LoGRA minus dense AdamW, median s per step: "
+        + ", ".join(f"{phase} {logra['median_s'][phase] - dense['median_s'][phase]:+.2f}" for phase in PHASES) + ".",
+        "",
+        "Generation at step 0 (the same policy, prompts and completions in every mode): "
+        + ", ".join(f"{name} {mode['per_step']['generation'][0]:.2f} s" for name, mode in modes.items())
+        + ". Median generation seconds per mean completion token: "
+        + ", ".join(f"{name} {mode['generation_s_per_token']:.3f}" for name, mode in modes.items())
+        + " (median completion length: "
+        + ", ".join(f"{name} {statistics.median(mode['completion_length_mean'][1:]):.1f}" for name, mode in modes.items()) + " tokens).",
+        "",
+        machine_line(result["machine"]) + f"; command `{result['command']}`; {result['runtime_s']:.0f} s in all.",
+    ]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from common import stacked_bars
+
+    modes = result["modes"]
+    figure, axis = plt.subplots(figsize=(6, 4))
+    parts = {phase: [modes[m]["median_s"][phase] for m in modes] for phase in PHASES}
+    stacked_bars(axis, list(modes), parts)
+    axis.set_ylabel("median seconds per RL step")
+    save_figure(figure, path, title=f"Quickstart step phases ({cpu_caption(result['machine'])})")
+
+
+def main() -> None:
+    parser = argument_parser(__doc__)
+    parser.add_argument("--work", type=Path, default=Path("lightning_logs/phases"), help="run logs and MLflow store")
+    args = parser.parse_args()
+    if args.render:
+        import json
+
+        result = json.loads(args.render.read_text())
+    else:
+        args.work.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        result = {"benchmark": "phases", "command": " ".join(["python", "benchmarks/phases.py", *sys.argv[1:]]),
+                  "machine": machine_info(), **measure(args.work.resolve())}
+        result["runtime_s"] = time.perf_counter() - started
+        save_json(RESULTS / "phases.json", result)
+    write_outputs(RESULTS / "phases", result, render, plot)
+
+
+if __name__ == "__main__":
+    main()
