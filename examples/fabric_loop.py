@@ -25,12 +25,9 @@ class TinyLM(torch.nn.Module):
         self.last_batch = input_ids
         return self.model(input_ids=input_ids, labels=input_ids).loss
 
-    def logra_probe_batch(self) -> dict[str, torch.Tensor]:
+    def logra_probe_batch(self) -> lightning_logra.ProbeBatch:
         """Fabric has no training batch to borrow: the KL probe scores the last one."""
-        real = torch.ones_like(self.last_batch, dtype=torch.bool)
-        logits_mask = real.clone()
-        logits_mask[:, -1] = False  # the last position predicts no token of the batch
-        return {"input_ids": self.last_batch, "attention_mask": real.long(), "logits_mask": logits_mask}
+        return lightning_logra.ProbeBatch.from_token_batch(self.last_batch)
 
 
 def main() -> None:

@@ -42,8 +42,9 @@ class RowLayout:
 class ReplicatedRows(RowLayout):
     name = "all_reduce"
 
-    def local_moment(self, state: SketchState) -> torch.Tensor:
-        return state.second_moment
+    def local_moments(self) -> list[torch.Tensor]:
+        """Each target's RowAdam moment as this layout keeps it: every row."""
+        return [state.second_moment for state in self.sketches]
 
     def reduce(self, tokens: float, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
         """S_hat = (sum over ranks / world) / N, in place in the flat buffer: one collective."""
@@ -70,9 +71,9 @@ class ShardedRows(RowLayout):
     def row_group(self) -> dist.ProcessGroup | None:
         return self.weight_group
 
-    def local_moment(self, state: SketchState) -> torch.Tensor:
-        start, stop = local_row_range(state.weight)
-        return state.second_moment[start:stop].clone()
+    def local_moments(self) -> list[torch.Tensor]:
+        """Each target's RowAdam moment as this layout keeps it: the owned rows only."""
+        return [state.second_moment[start:stop].clone() for state, (start, stop) in zip(self.sketches, self.rows)]
 
     def reduce(self, tokens: float, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
         """This rank's rows of S_hat, reduce-scattered over the weight shards' group."""

@@ -70,8 +70,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.sketches: SketchSet = sketches
         self.controller = KLController(config)
         self.layout: RowLayout = make_layout(config.sketch_reduction, sketches)
-        for state in sketches:
-            state.second_moment = self.layout.local_moment(state)
+        for state, moment in zip(sketches, self.layout.local_moments()):
+            state.second_moment = moment
         self.update_count = 0
         self.skipped_steps = 0
         self.consecutive_skips = 0

@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_logra import LoGRAFabricStrategy
+from lightning_logra import LoGRAFabricStrategy, ProbeBatch
 from lightning_logra.strategies.runtime import LOGRA_FOLDER
 from tests.distributed import run_lightning_on_two_ranks
 from tests.lightning_helpers import CausalLM, config, token_rows, trained_weights
@@ -25,10 +25,7 @@ class ProbedLM(CausalLM):
         return super().loss(batch)
 
     def logra_probe_batch(self):
-        real = self.last_batch["attention_mask"].bool()
-        logits_mask = torch.zeros_like(real)
-        logits_mask[:, :-1] = real[:, 1:]
-        return {**self.last_batch, "logits_mask": logits_mask}
+        return ProbeBatch.from_token_batch(self.last_batch["input_ids"], self.last_batch["attention_mask"])
 
     def logra_logprob_pairs(self):
         trainer_logprobs = torch.full((2, 3), -1.0)
