@@ -1,16 +1,17 @@
 """Where one RL step's wall time goes: dense AdamW vs LoRA r=256 vs LoGRA r=256 on the
-quickstart task, phase by phase, from the ``perf/*`` metrics every run logs.
+quickstart task, phase by phase, from the ``perf/*`` metrics every run logs; and LoGRA with
+``rank: auto`` (64 on SmolLM2-135M), the rank rule for small models.
 
-The three quickstart configs run through the ``logra`` CLI one after the other (same
-seeds, same prompts, the configs' 12 steps), without validation so that only training
-steps are timed. Phases, as ``GRPOModule`` logs them: ``generation`` (HF ``generate``),
+The three quickstart configs (and the LoGRA one again with ``rank: auto``) run through the
+``logra`` CLI one after the other (same seeds, same prompts, the configs' 12 steps),
+without validation so that only training steps are timed. Phases, as ``GRPOModule`` logs them: ``generation`` (HF ``generate``),
 ``rewards`` (scoring and advantages), ``forward_backward`` (every micro-batch),
 ``optimizer_step`` (AdamW, or the whole LoGRA update, itself split into
 ``logra_prepare`` / ``logra_probe`` / ``logra_apply``), ``weight_sync`` (the rollout
 engine's). The per-step median of each phase is reported; the first step (warm-up) is
 left out. Run it alone on the machine: it measures wall time.
 
-    python benchmarks/phases.py      # about 20 minutes on 2 CPU cores; results/phases.{json,md,png}
+    python benchmarks/phases.py      # about 25 minutes on 2 CPU cores; results/phases.{json,md,png}
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from cli_runs import metric_history, run_logra  # noqa: E402
 from common import argument_parser, cpu_caption, machine_info, machine_line, save_figure, save_json, write_outputs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CONFIGS = {"dense": "configs/quickstart_dense.yaml", "lora": "configs/quickstart_lora.yaml", "logra": "configs/quickstart.yaml"}
+# name -> (config, extra arguments)
+RUNS = {
+    "dense": ("configs/quickstart_dense.yaml", []),
+    "lora": ("configs/quickstart_lora.yaml", []),
+    "logra": ("configs/quickstart.yaml", []),
+    "logra_rank_auto": ("configs/quickstart.yaml", ["--trainer.strategy.init_args.logra.rank=auto"]),
+}
 PHASES = ("generation", "rewards", "forward_backward", "optimizer_step", "weight_sync")
 LOGRA_PHASES = ("logra_prepare", "logra_probe", "logra_apply")
 
@@ -35,11 +42,11 @@ def measure(work: Path) -> dict:
     database = work / "mlflow.db"
     environment = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{database}")
     modes = {}
-    for mode, config in CONFIGS.items():
-        print(f"{mode}: logra fit -c {config}", flush=True)
+    for mode, (config, extra) in RUNS.items():
+        print(f"{mode}: logra fit -c {config} {' '.join(extra)}", flush=True)
         seconds = run_logra(["fit", "-c", config, "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={work}",
-                             "--trainer.logger.init_args.experiment_name=phases", f"--trainer.logger.init_args.run_name={mode}"],
-                            environment, work / f"{mode}.log")
+                             "--trainer.logger.init_args.experiment_name=phases", f"--trainer.logger.init_args.run_name={mode}",
+                             *extra], environment, work / f"{mode}.log")
         modes[mode] = read_mode(database, mode, seconds)
         print(f"  {seconds:.0f} s; median step phases: "
               + ", ".join(f"{p} {modes[mode]['median_s'][p]:.2f}" for p in PHASES), flush=True)
@@ -50,7 +57,7 @@ def read_mode(database: Path, mode: str, wall_seconds: float) -> dict:
     """One run's phases per step from its MLflow store, their medians over steps 1.., and
     generation time per completion token (completions differ in length once the methods'
     policies differ; at step 0 policy and completions are identical)."""
-    phases = PHASES + (LOGRA_PHASES if mode == "logra" else ())
+    phases = PHASES + (LOGRA_PHASES if mode.startswith("logra") else ())
     steps = {phase: [value for _, value in metric_history(database, mode, f"perf/{phase}_s")] for phase in phases}
     lengths = [value for _, value in metric_history(database, mode, "completion/length_mean")]
     return {
@@ -76,7 +83,8 @@ def render(result: dict) -> str:
     logra, dense, lora = modes["logra"], modes["dense"], modes["lora"]
     lines += [
         "",
-        "LoGRA's update, median s per step: " + ", ".join(f"{p} {logra['median_s'][p]:.2f}" for p in LOGRA_PHASES) + ".",
+        *(f"{name}'s update, median s per step: " + ", ".join(f"{p} {mode['median_s'][p]:.2f}" for p in LOGRA_PHASES) + "."
+          for name, mode in modes.items() if name.startswith("logra")),
         "",
         f"LoGRA / dense AdamW, step: **{step_seconds(logra) / step_seconds(dense):.3f}**; whole run: "
         f"{logra['wall_seconds'] / dense['wall_seconds']:.3f}. LoGRA / LoRA, step: "
@@ -84,6 +92,10 @@ def render(result: dict) -> str:
         "",
         "LoGRA minus dense AdamW, median s per step: "
         + ", ".join(f"{phase} {logra['median_s'][phase] - dense['median_s'][phase]:+.2f}" for phase in PHASES) + ".",
+        *(f"{name} / dense AdamW, step: **{step_seconds(mode) / step_seconds(dense):.3f}**; whole run: "
+          f"{mode['wall_seconds'] / dense['wall_seconds']:.3f}; / LoRA, step: {step_seconds(mode) / step_seconds(lora):.3f}; "
+          f"whole run: {mode['wall_seconds'] / lora['wall_seconds']:.3f}."
+          for name, mode in modes.items() if name.startswith("logra_")),
         "",
         "Generation at step 0 (the same policy, prompts and completions in every mode): "
         + ", ".join(f"{name} {mode['per_step']['generation'][0]:.2f} s" for name, mode in modes.items())

@@ -42,7 +42,7 @@ def main() -> None:
     fabric.launch()
     fabric.seed_everything(0)
 
-    model = fabric.setup_module(TinyLM())  # FSDP2 shards it, LoGRA hooks the targets
+    model = fabric.setup_module(TinyLM())  # FSDP2 shards it over 2+ devices; LoGRA hooks the targets
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
     generator = torch.Generator().manual_seed(fabric.global_rank)
     for step in range(args.steps):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Literal
 
 DEFAULT_TARGET_MODULES: tuple[str, ...] = (
@@ -18,8 +18,19 @@ DEFAULT_TARGET_MODULES: tuple[str, ...] = (
 
 # Fields that define the sketches and projections themselves. A checkpoint written with
 # different values cannot be resumed: its row moments and update counter would describe
-# other random projections.
-STRUCTURAL_FIELDS: tuple[str, ...] = ("rank", "seed", "distribution", "refresh", "target_modules")
+# other random projections. A field missing from a checkpoint's configuration (one written
+# before the field existed) counts as its default.
+STRUCTURAL_FIELDS: tuple[str, ...] = (
+    "rank",
+    "seed",
+    "distribution",
+    "refresh",
+    "target_modules",
+    "share_projection_by_input",
+)
+
+# ``rank: auto`` resolves against the model's targets (``projection.auto_rank``).
+AUTO_RANK = "auto"
 
 
 @dataclass
@@ -29,11 +40,16 @@ class LoGRAConfig:
     Invalid values raise ``ValueError`` naming the field and its allowed range.
     """
 
-    # section 2: projections
-    rank: int = 256
+    # section 2: projections. rank "auto" (ours) picks a power of 4 from the targets' input
+    # widths when the sketches are installed (projection.auto_rank); LoGRAOptimizer then
+    # writes the resolved int back into this field, and that int is what checkpoints hold.
+    rank: int | Literal["auto"] = 256
     seed: int = 42
     distribution: Literal["rademacher", "gaussian"] = "rademacher"
     refresh: bool = True
+    # (ours) q/k/v of one attention block, and gate/up of one MLP, read the same input: with
+    # this on they share one projection A, so X A^T is computed once per group (sketch.py).
+    share_projection_by_input: bool = False
     # section 1: which weights
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
     # section 5: RowAdam
@@ -71,10 +87,16 @@ class LoGRAConfig:
         self.validate()
 
     def validate(self) -> None:
-        _require(self, "rank", isinstance(self.rank, int) and self.rank >= 1, "an integer >= 1")
+        _require(
+            self,
+            "rank",
+            self.rank == AUTO_RANK or (_integer(self.rank) and self.rank >= 1),
+            f"an integer >= 1 or {AUTO_RANK!r}",
+        )
         _require(self, "seed", isinstance(self.seed, int) and self.seed >= 0, "an integer >= 0")
         _choice(self, "distribution", ("rademacher", "gaussian"))
         _require(self, "refresh", isinstance(self.refresh, bool), "true or false")
+        _require(self, "share_projection_by_input", isinstance(self.share_projection_by_input, bool), "true or false")
         _require(
             self,
             "target_modules",
@@ -152,9 +174,15 @@ class LoGRAConfig:
         return cls(**values)
 
     def structural_mismatches(self, other: dict[str, Any]) -> list[str]:
-        """Names of the fields in STRUCTURAL_FIELDS whose values differ from ``other``."""
+        """``"field: saved != mine"`` for every field in STRUCTURAL_FIELDS whose value differs
+        from ``other``; a field ``other`` lacks counts as its default.
+
+        A rank of ``"auto"`` is compared as written: compare the resolved configuration
+        (``LoGRAOptimizer.config`` after construction holds the int in use)."""
         mine = self.to_dict()
-        return [f"{name}: {other.get(name)!r} != {mine[name]!r}" for name in STRUCTURAL_FIELDS if other.get(name) != mine[name]]
+        defaults = _defaults()
+        saved = {name: other.get(name, defaults[name]) for name in STRUCTURAL_FIELDS}
+        return [f"{name}: {saved[name]!r} != {mine[name]!r}" for name in STRUCTURAL_FIELDS if saved[name] != mine[name]]
 
     def tuning_changes(self, other: dict[str, Any]) -> list[str]:
         """``"field: old -> new"`` for every non-structural field whose value differs from
@@ -165,6 +193,14 @@ class LoGRAConfig:
             for name in mine
             if name not in STRUCTURAL_FIELDS and name in other and other[name] != mine[name]
         ]
+
+
+def _defaults() -> dict[str, Any]:
+    return {f.name: f.default_factory() if f.default_factory is not MISSING else f.default for f in fields(LoGRAConfig)}
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _finite(value: Any) -> bool:

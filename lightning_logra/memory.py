@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from lightning_logra.config import LoGRAConfig
-from lightning_logra.projection import projection_storage_dtype
+from lightning_logra.projected_input import projection_groups
+from lightning_logra.projection import projection_storage_dtype, resolve_rank
 from lightning_logra.sketch import find_targets
 
 FLOAT32 = 4
@@ -64,30 +65,34 @@ def memory_report(
     reduction = sketch_reduction or config.sketch_reduction
     sharded_rows = reduction in ("auto", "reduce_scatter") and world_size > 1
     targets = find_targets(model, config.target_modules)
+    rank = resolve_rank(config.rank, [module.in_features for _, module in targets])
     rows = sum(module.out_features for _, module in targets)
     widths = sum(module.in_features for _, module in targets)
+    # A shared projection (share_projection_by_input) is stored once per group.
+    groups = projection_groups(targets) if config.share_projection_by_input else [[i] for i in range(len(targets))]
+    projection_widths = sum(targets[members[0]][1].in_features for members in groups)
     parameters = sum(module.out_features * module.in_features for _, module in targets)
-    projection_dtype = projection_storage_dtype(config.rank, config.distribution, compute_dtype)
+    projection_dtype = projection_storage_dtype(rank, config.distribution, compute_dtype)
     projection_element = torch.empty((), dtype=projection_dtype).element_size()
 
     owned_rows = -(-rows // world_size) if sharded_rows else rows
-    accumulator = rows * config.rank * FLOAT32
+    accumulator = rows * rank * FLOAT32
     # The reduced sketch becomes the RowAdam directions in place, inside the accumulator
     # (reduce-scatter receives each rank's rows into its own block of it). Only layers
     # whose rows do not split evenly over the ranks need a padded copy (not counted).
-    projections = widths * config.rank * projection_element
+    projections = projection_widths * rank * projection_element
     moments = owned_rows * FLOAT32
     return MemoryReport(
         layers=len(targets),
         target_parameters=parameters,
-        rank=config.rank,
+        rank=rank,
         world_size=world_size,
         sketch_accumulator_bytes=accumulator,
         projection_bytes=projections,
         second_moment_bytes=moments,
         logra_state_bytes=accumulator + projections + moments,
         dense_adamw_bytes=-(-parameters // world_size) * 3 * FLOAT32,
-        reference_bytes=(rows + widths) * config.rank * FLOAT32,
+        reference_bytes=(rows + widths) * rank * FLOAT32,
     )
 
 

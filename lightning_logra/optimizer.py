@@ -26,16 +26,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_logra.config import LoGRAConfig
+from lightning_logra.config import AUTO_RANK, LoGRAConfig
 from lightning_logra.kl import Budget, KLController, mismatch_sums
 from lightning_logra.layout import RowLayout, make_layout
-from lightning_logra.probe import ProbeBatch, ProbeLayer, measured_probe_kl, probe_logits, probe_predicted_kl
+from lightning_logra.probe import (
+    ProbeBatch,
+    ProbeLayer,
+    measured_probe_kl,
+    probe_logits,
+    probe_predicted_kl,
+)
+from lightning_logra.projected_input import SharedProjectedInput
 from lightning_logra.projection import make_projection, projection_seed
 from lightning_logra.reliability import memory_phase
 from lightning_logra.report import StepReport
 from lightning_logra.row_adam import row_adam_directions
 from lightning_logra.sketch import SketchSet, install_sketches
-from lightning_logra.update import PreparedUpdate, apply_directions, local_rows, update_square_norm
+from lightning_logra.update import (
+    PreparedUpdate,
+    apply_directions,
+    local_rows,
+    update_square_norm,
+)
 
 # What shrinks each phase's memory, for the error an out-of-memory in it raises.
 UPDATE_HINT = "logra.row_chunk (rows updated at a time), logra.rank"
@@ -48,7 +60,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     Constructing it installs the sketches and, as in the paper, freezes every non-target
     parameter (``freeze_non_targets=False`` leaves them to another optimizer). The single
     param group's ``lr`` is the update ratio. State (row moments, counters, the KL
-    controller's mismatch EMA) is saved by ``state_dict`` as tensors only.
+    controller's mismatch EMA) is saved by ``state_dict`` as tensors only. A
+    ``config.rank`` of ``"auto"`` is resolved in place against the model's targets, so after
+    construction ``config.rank`` (and the configuration checkpoints hold) is the int in use.
     """
 
     def __init__(
@@ -61,6 +75,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     ) -> None:
         config = config or LoGRAConfig()
         sketches = install_sketches(model, config, compute_dtype=compute_dtype)
+        if config.rank == AUTO_RANK:
+            # Resolved in place: from here on config.rank is the int in use, which is what
+            # state_dict() stores and check_state() compares (a structural field).
+            config.rank = sketches.rank
         if freeze_non_targets:
             for parameter in model.parameters():
                 parameter.requires_grad_(False)
@@ -262,8 +280,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if self._prepared is None:
             raise RuntimeError("no update is prepared: call prepare_update() before probing it")
         directions = self.layout.full_rows(self._prepared.directions)
+        # A projection group shares P = X A^T in the probe too, through a cache of its own.
+        probe_caches: dict[int, SharedProjectedInput] = {}
         return [
-            ProbeLayer(module=state.module, projection=state.projection, direction=direction)
+            ProbeLayer(module=state.module, projection=state.projection, direction=direction,
+                       shared=None if state.shared_input is None else probe_caches.setdefault(
+                           id(state.shared_input), SharedProjectedInput(state.shared_input.members)))
             for state, direction in zip(self.sketches, directions)
         ]
 
@@ -362,12 +384,13 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._redraw()
 
     def _redraw(self) -> None:
+        """Each distinct A in place from its seed name (a shared A once, for its group)."""
         update = self.update_count if self.config.refresh else 0
-        for state in self.sketches:
-            seed = projection_seed(self.config.seed, update, state.name)
-            rank, width = state.projection.shape
-            state.projection.copy_(
-                make_projection(rank, width, seed, device=state.projection.device, dtype=state.projection.dtype, distribution=self.config.distribution)
+        for name, projection in self.sketches.projections():
+            seed = projection_seed(self.config.seed, update, name)
+            rank, width = projection.shape
+            projection.copy_(
+                make_projection(rank, width, seed, device=projection.device, dtype=projection.dtype, distribution=self.config.distribution)
             )
 
     def _check_backward_reached(self, calls: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_logra.kl import kl_per_position, measured_kl
+from lightning_logra.projected_input import SharedProjectedInput, project
 
 
 class EmptyProbeError(FloatingPointError):
@@ -33,11 +34,13 @@ class EmptyProbeError(FloatingPointError):
 
 @dataclass(frozen=True)
 class ProbeLayer:
-    """One target as the probe sees it: its module, projection A and full direction D."""
+    """One target as the probe sees it: its module, projection A and full direction D, and
+    the cache its projection group shares P = X A^T through (``share_projection_by_input``)."""
 
     module: nn.Module
     projection: torch.Tensor  # rank x in_features
     direction: torch.Tensor  # out_features x rank (every row, not only a local shard)
+    shared: SharedProjectedInput | None = None
 
 
 @dataclass(frozen=True)
@@ -94,13 +97,7 @@ class ProbeBatch:
         """Model inputs and logits mask of one row: its real tokens only (padding on either
         side dropped), at most ``max_tokens`` of them. This is the one place the probe is
         truncated, so ``max_tokens`` counts real tokens, never left padding."""
-        real = self.attention_mask[row].nonzero()
-        if real.numel() == 0:
-            start = stop = 0
-        else:
-            start, stop = int(real[0]), int(real[-1]) + 1
-            if max_tokens is not None:
-                stop = min(stop, start + max_tokens)
+        start, stop = self._span(row, max_tokens)
         span = slice(start, max(stop, start + 1))  # a model needs at least one token
         inputs = {"input_ids": self.input_ids[row : row + 1, span], "attention_mask": self.attention_mask[row : row + 1, span]}
         if self.position_ids is not None:
@@ -109,6 +106,49 @@ class ProbeBatch:
         if stop <= start:
             scored.zero_()
         return inputs, scored
+
+
+    def packed_groups(self, max_tokens: int | None) -> list[list[int]]:
+        """Rows packed into forwards: consecutive rows share one (right-padded) forward while
+        rows x longest stays within the tokens of one full row (``max_tokens``, or the
+        longest row when None). Short responses then run as one batch, which is several
+        times faster than one small forward each, and no forward is larger than one row."""
+        lengths = [stop - start for start, stop in (self._span(row, max_tokens) for row in range(self.rows))]
+        budget = max_tokens if max_tokens is not None else max(lengths)
+        groups: list[list[int]] = []
+        longest = 0
+        for row, length in enumerate(lengths):
+            if groups and (len(groups[-1]) + 1) * max(longest, length) <= budget:
+                groups[-1].append(row)
+                longest = max(longest, length)
+            else:
+                groups.append([row])
+                longest = length
+        return groups
+
+    def packed_inputs(self, rows: Sequence[int], max_tokens: int | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """``row_inputs`` of several rows, right-padded to the longest into one batch
+        (padding is masked out and never scored)."""
+        parts = [self.row_inputs(row, max_tokens) for row in rows]
+        if len(parts) == 1:
+            return parts[0]
+        longest = max(scored.shape[1] for _, scored in parts)
+
+        def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([F.pad(tensor, (0, longest - tensor.shape[1])) for tensor in tensors])
+
+        inputs = {key: stacked([part[key] for part, _ in parts]) for key in parts[0][0]}
+        return inputs, stacked([scored for _, scored in parts])
+
+    def _span(self, row: int, max_tokens: int | None) -> tuple[int, int]:
+        """[start, stop) of the row's real tokens, at most ``max_tokens`` of them."""
+        real = self.attention_mask[row].nonzero()
+        if real.numel() == 0:
+            return 0, 0
+        start, stop = int(real[0]), int(real[-1]) + 1
+        if max_tokens is not None:
+            stop = min(stop, start + max_tokens)
+        return start, stop
 
 
 def probe_predicted_kl(
@@ -124,9 +164,9 @@ def probe_predicted_kl(
     """Predicted KL of the update W -= D A of every layer at once, averaged over the scored
     positions of ``batch`` (at ``temperature``, default the batch's own).
 
-    The probe runs one sequence per forward, and SDPA attention in blocks of
-    ``position_chunk`` queries, so neither the batch nor a (length x length) score matrix
-    multiplies the memory of forward AD, which keeps a primal and a tangent of every
+    The probe runs at most one full row's tokens per forward (short rows packed together),
+    and SDPA attention in blocks of ``position_chunk`` queries, so neither the batch nor a
+    (length x length) score matrix multiplies the memory of forward AD, which keeps a primal and a tangent of every
     activation. Full-vocabulary logits exist for ``position_chunk`` positions at a time
     when the model exposes its output head (``get_output_embeddings``). With a
     ``process_group`` the sum and count are all-reduced over it and every rank returns the
@@ -140,14 +180,14 @@ def probe_predicted_kl(
         primal, tangent = fwAD.unpack_dual(logits)
         tangent = torch.zeros_like(primal) if tangent is None else tangent
         for chunk in _chunks(primal.shape[0], position_chunk):
-            totals[0] += kl_per_position(primal[chunk], tangent[chunk], temperature=temperature).sum()
+            totals[0] += kl_per_position(primal[chunk], tangent[chunk], temperature=temperature).sum(dtype=torch.float64)
         totals[1] += primal.shape[0]
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     with _probe_mode(model, position_chunk), fwAD.dual_level():
         handles = [layer.module.register_forward_hook(_tangent_hook(layer)) for layer in layers]
         try:
-            for inputs, scored in _rows_to_run(batch, max_tokens, process_group):
+            for inputs, scored in _forwards(batch, max_tokens, process_group):
                 if isinstance(head, nn.Linear):
                     head_hook = head.register_forward_pre_hook(_chunked_head_hook(scored, position_chunk, accumulate))
                     try:
@@ -177,7 +217,7 @@ def probe_logits(model: nn.Module, batch: ProbeBatch, *, max_tokens: int | None 
     measuring the true KL of an applied update at exactly the predicted positions)."""
     scored_logits = []
     with _eval_mode(model):
-        for inputs, scored in _rows_to_run(batch, max_tokens, process_group):
+        for inputs, scored in _forwards(batch, max_tokens, process_group):
             output = model(**inputs)
             scored_logits.append((output.logits if hasattr(output, "logits") else output)[scored].float())
     return torch.cat(scored_logits)
@@ -195,19 +235,21 @@ def measured_probe_kl(before: torch.Tensor, after: torch.Tensor, *, temperature:
     return float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
 
 
-def _rows_to_run(batch: ProbeBatch, max_tokens: int | None, process_group: dist.ProcessGroup | None):
-    """(inputs, scored) per forward. Under a process group every rank runs as many forwards
-    as the rank with the most rows: a rank with fewer repeats its last row, scoring nothing."""
+def _forwards(batch: ProbeBatch, max_tokens: int | None, process_group: dist.ProcessGroup | None):
+    """(inputs, scored) per forward, rows packed by ``ProbeBatch.packed_groups``. Under a
+    process group every rank runs as many forwards as the rank that needs the most: a rank
+    with fewer repeats its last one, scoring nothing."""
     if batch.rows == 0:
         raise ValueError("the KL probe needs at least one sequence")
-    forwards = batch.rows
+    groups = batch.packed_groups(max_tokens)
+    forwards = len(groups)
     if process_group is not None:
-        count = torch.tensor([batch.rows], device=batch.input_ids.device)
+        count = torch.tensor([forwards], device=batch.input_ids.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=process_group)
         forwards = int(count.item())
     for index in range(forwards):
-        inputs, scored = batch.row_inputs(min(index, batch.rows - 1), max_tokens)
-        yield inputs, (scored if index < batch.rows else torch.zeros_like(scored))
+        inputs, scored = batch.packed_inputs(groups[min(index, len(groups) - 1)], max_tokens)
+        yield inputs, (scored if index < len(groups) else torch.zeros_like(scored))
 
 
 def _tangent_hook(layer: ProbeLayer):
@@ -217,7 +259,7 @@ def _tangent_hook(layer: ProbeLayer):
         # bfloat16 output, and the in-place update below does not autocast.
         dtype = primal.dtype
         inputs = fwAD.unpack_dual(args[0]).primal.to(dtype)
-        projected = inputs.reshape(-1, inputs.shape[-1]) @ layer.projection.to(dtype).T
+        projected = project(inputs, layer.projection) if layer.shared is None else layer.shared.project(inputs, layer.projection)
         direction = layer.direction.to(dtype)
         if tangent is None:
             return fwAD.make_dual(primal, (projected @ direction.T).neg_().view_as(primal))
@@ -251,13 +293,14 @@ def _chunks(total: int, size: int) -> Iterator[slice]:
 
 
 class _BlockedAttention(TorchFunctionMode):
-    """``F.scaled_dot_product_attention`` computed in blocks of queries, in plain ops that
-    forward AD differentiates, so a (block x keys) score matrix is the largest it makes.
+    """``F.scaled_dot_product_attention`` with a forward-mode derivative: the value from
+    the fused kernel, the tangent computed by hand in blocks of ``block`` queries, so a
+    (block x keys) score matrix is the largest it makes (``_AttentionWithTangent``).
 
     Same semantics as SDPA: boolean masks keep True, float masks are added, ``is_causal``
     is aligned top-left, grouped-query attention with ``enable_gqa``; a query that may
-    attend to nothing gets a zero output rather than NaN, so a masked padding position
-    cannot poison the tangents of the positions that follow it.
+    attend to nothing gets a zero output and tangent rather than NaN, so a masked padding
+    position cannot poison the tangents of the positions that follow it.
     """
 
     def __init__(self, block: int):
@@ -274,32 +317,57 @@ class _BlockedAttention(TorchFunctionMode):
         if dropout_p != 0.0:
             raise ValueError("the KL probe runs the model in eval mode; attention dropout must be 0")
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+        return _AttentionWithTangent.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa, self.block)
+
+
+class _AttentionWithTangent(torch.autograd.Function):
+    """SDPA whose forward-mode tangent is written out: with S = scale * Q K^T (+ mask) and
+    P = softmax(S), d(P V) = P dV + (P * dS) V - rowsum(P * dS) * (P V), where
+    dS = scale * (dQ K^T + Q dK^T). About twice as fast as letting forward AD trace the
+    same blocked computation op by op, and the value keeps the fused kernel."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, block):
+        output = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                                                scale=scale, enable_gqa=enable_gqa)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            output = torch.where(attn_mask.any(dim=-1, keepdim=True), output, torch.zeros_like(output))
+        ctx.save_for_forward(query, key, value, output)
+        ctx.attn_mask, ctx.is_causal, ctx.scale, ctx.block = attn_mask, is_causal, scale, block
+        return output
+
+    @staticmethod
+    def jvp(ctx, query_t, key_t, value_t, *_):
+        query, key, value, output = ctx.saved_tensors
+        query_t, key_t, value_t = (torch.zeros_like(x) if t is None else t for x, t in ((query, query_t), (key, key_t), (value, value_t)))
         groups = query.shape[-3] // key.shape[-3]
         if groups > 1:
-            key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
+            key, value, key_t, value_t = (x.repeat_interleave(groups, dim=-3) for x in (key, value, key_t, value_t))
+        # dS = scale * [Q, dQ] [dK, K]^T: one matmul of twice the depth instead of two and a sum.
+        keys_for_score_t = torch.cat([key_t, key], dim=-1).transpose(-2, -1)
+        key_t_major = key.transpose(-2, -1)
+        attn_mask, scale = ctx.attn_mask, ctx.scale
         blocks = []
-        for rows in _chunks(query.shape[-2], self.block):
+        for rows in _chunks(query.shape[-2], ctx.block):
             # Under is_causal, keys after the block's last query are never attended: skip them.
-            keys = slice(0, min(rows.stop, key.shape[-2])) if is_causal else slice(None)
-            scores = (query[..., rows, :] @ key[..., keys, :].transpose(-2, -1)) * scale
-            allowed = None
-            if is_causal:
-                key_index = torch.arange(scores.shape[-1], device=query.device)
-                allowed = key_index <= torch.arange(rows.start, rows.stop, device=query.device)[:, None]
+            keys = slice(0, min(rows.stop, key.shape[-2])) if ctx.is_causal else slice(None)
+            query_rows = query[..., rows, :] * scale  # scaling the block's queries, not its scores
+            scores = query_rows @ key_t_major[..., keys]
+            if ctx.is_causal:  # only the keys from the block's first query on can be in the future
+                future = torch.ones(rows.stop - rows.start, scores.shape[-1] - rows.start, dtype=torch.bool,
+                                    device=query.device).triu_(1)
+                scores[..., rows.start:].masked_fill_(future, float("-inf"))
             if attn_mask is not None:
-                mask = attn_mask[..., rows, :] if attn_mask.shape[-2] > 1 else attn_mask
-                if mask.dtype == torch.bool:
-                    allowed = mask if allowed is None else allowed & mask
-                else:
-                    scores = scores + mask
-            if allowed is not None:
-                scores = scores.masked_fill(~allowed, float("-inf"))
+                mask = attn_mask[..., rows, keys] if attn_mask.shape[-2] > 1 else attn_mask[..., keys]
+                scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
             weights = torch.softmax(scores, dim=-1)
-            if allowed is not None:
-                sees_something = allowed.any(dim=-1, keepdim=True)
-                if not bool(sees_something.all()):
-                    weights = torch.where(sees_something, weights, torch.zeros_like(weights))
-            blocks.append(weights @ value[..., keys, :])
+            if attn_mask is not None and attn_mask.dtype == torch.bool:
+                weights = torch.nan_to_num_(weights, nan=0.0)  # a query that sees nothing
+            weighted_score_t = (torch.cat([query_rows, query_t[..., rows, :] * scale], dim=-1) @ keys_for_score_t[..., keys]).mul_(weights)
+            tangent = weights @ value_t[..., keys, :]
+            tangent.add_(weighted_score_t @ value[..., keys, :])
+            tangent.sub_(weighted_score_t.sum(dim=-1, keepdim=True) * output[..., rows, :])
+            blocks.append(tangent)
         return torch.cat(blocks, dim=-2)
 
 

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable
 
 import torch
 
 SEED_MASK = 2**62 - 1
+# rank "auto": the paper's rank where it fits, never more than a quarter of the narrowest
+# input width (see auto_rank).
+MAX_AUTO_RANK = 256
+AUTO_RANK_WIDTH_DIVISOR = 4
 # Components that wrappers (activation checkpointing, FSDP1, torch.compile) insert into
 # qualified names; removing them keeps a layer's seed independent of how it is wrapped.
 WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"})
@@ -58,12 +63,48 @@ def make_projection(
     return matrix.to(device=device, dtype=dtype)
 
 
+def auto_rank(widths: Iterable[int]) -> int:
+    """The rank ``rank: auto`` resolves to for targets of these input widths (in_features):
+    the largest power of 4 that is <= min(256, narrowest width / 4), and at least 1.
+
+    Why: computing X A^T costs tokens x width x rank, i.e. rank / out_features of the
+    layer's own forward; at r = 256 that is about a third of the target layers' forward on
+    SmolLM2-135M (width 576, k/v out 192). Capping r at a quarter of the narrowest input
+    width bounds it for small models while every model with inputs >= 1024 wide (Qwen2.5-
+    1.5B and up, the paper's range) keeps the paper's 256. A power of 4 keeps the Rademacher
+    entries +-1/sqrt(r) exact in bfloat16 (``projection_is_exact``), so A can be stored and
+    used in the compute dtype. Widths 576 -> 64, 896 -> 64, 1024 -> 256, 32 -> 4.
+    """
+    widths = list(widths)
+    if not widths or any(width < 1 for width in widths):
+        raise ValueError(f"rank 'auto' needs the input widths of at least one target, got {widths}")
+    limit = min(MAX_AUTO_RANK, min(widths) // AUTO_RANK_WIDTH_DIVISOR)
+    rank = 1
+    while rank * 4 <= limit:
+        rank *= 4
+    return rank
+
+
+def resolve_rank(rank: int | str, widths: Iterable[int]) -> int:
+    """``rank`` itself when it is an int, ``auto_rank(widths)`` when it is ``"auto"``."""
+    if rank == "auto":
+        return auto_rank(widths)
+    if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1:
+        return rank
+    raise ValueError(f"LoGRAConfig.rank = {rank!r} is invalid: must be an integer >= 1 or 'auto'")
+
+
 def projection_is_exact(rank: int, distribution: str, dtype: torch.dtype) -> bool:
     """Whether every entry of A is representable in ``dtype`` without rounding.
 
     Rademacher entries are +-1/sqrt(rank): exact in any float format when 1/sqrt(rank) is
     a power of two (rank a power of 4: 1, 4, 16, 64, 256, ...). Gaussian entries are not.
     """
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        raise TypeError(
+            f"rank must be an int here, got {rank!r}; resolve rank 'auto' against the model's targets first "
+            "(projection.resolve_rank, or read LoGRAOptimizer.config.rank)"
+        )
     if dtype in (torch.float32, torch.float64):
         return True
     if distribution != "rademacher":

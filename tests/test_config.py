@@ -6,7 +6,7 @@ from jsonargparse import ArgumentParser
 from omegaconf import OmegaConf
 
 from lightning_logra import LoGRAConfig
-from lightning_logra.config import DEFAULT_TARGET_MODULES
+from lightning_logra.config import DEFAULT_TARGET_MODULES, STRUCTURAL_FIELDS
 
 
 def test_defaults_match_the_paper():
@@ -26,6 +26,8 @@ def test_defaults_match_the_paper():
     ("field", "value", "allowed"),
     [
         ("rank", 0, ">= 1"),
+        ("rank", "x", "must be an integer >= 1 or 'auto'"),
+        ("share_projection_by_input", "yes", "true or false"),
         ("beta2", 1.0, "(0, 1)"),
         ("epsilon", -1.0, "> 0"),
         ("update_ratio", float("nan"), "> 0"),
@@ -65,3 +67,36 @@ def test_usable_as_jsonargparse_argument_type():
     assert config.rank == 128 and config.target_modules == ["q_proj", "k_proj"]
     with pytest.raises(ValueError, match=r"LoGRAConfig\.rank = 0"):
         parser.instantiate_classes(parser.parse_args(["--logra.rank=0"]))
+
+
+def test_new_options_default_to_the_reference():
+    config = LoGRAConfig()
+    assert config.rank == 256 and config.share_projection_by_input is False
+
+
+def test_sharing_and_rank_are_structural():
+    assert {"rank", "share_projection_by_input"} <= set(STRUCTURAL_FIELDS)
+    saved = LoGRAConfig().to_dict()
+    assert LoGRAConfig(share_projection_by_input=True).structural_mismatches(saved) == [
+        "share_projection_by_input: False != True"
+    ]
+
+
+def test_a_structural_field_missing_from_an_older_checkpoint_counts_as_its_default():
+    saved = LoGRAConfig().to_dict()
+    del saved["share_projection_by_input"]
+    assert LoGRAConfig().structural_mismatches(saved) == []
+    assert LoGRAConfig(share_projection_by_input=True).structural_mismatches(saved) == [
+        "share_projection_by_input: False != True"
+    ]
+
+
+def test_rank_auto_and_sharing_parse_from_the_command_line_and_yaml():
+    parser = ArgumentParser()
+    parser.add_argument("--logra", type=LoGRAConfig, default=LoGRAConfig())
+    parsed = parser.parse_args(["--logra.rank=auto", "--logra.share_projection_by_input=true"])
+    config = parser.instantiate_classes(parsed).logra
+    assert config.rank == "auto" and config.share_projection_by_input is True
+    assert parser.instantiate_classes(parser.parse_args(["--logra.rank=64"])).logra.rank == 64
+    text = OmegaConf.to_yaml(OmegaConf.structured(LoGRAConfig(rank="auto", share_projection_by_input=True)))
+    assert LoGRAConfig.from_dict(yaml.safe_load(text)) == LoGRAConfig(rank="auto", share_projection_by_input=True)

@@ -5,7 +5,11 @@ import pytest
 import torch
 
 from lightning_logra import make_projection, projection_seed
-from lightning_logra.projection import canonical_name, projection_is_exact, projection_storage_dtype
+from lightning_logra.projection import (
+    canonical_name,
+    projection_is_exact,
+    projection_storage_dtype,
+)
 
 
 def test_seed_follows_the_spec_formula():

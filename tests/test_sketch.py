@@ -10,7 +10,7 @@ from lightning_logra import LoGRAConfig, install_sketches, remove_sketches
 RANK = 4
 # The sketch is accumulated in float32 while the dense reference below is float64, and the
 # two sum the same products in a different order: agreement to float32 round-off.
-TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
 class Block(nn.Module):

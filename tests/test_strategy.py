@@ -9,11 +9,19 @@ import torch
 import lightning_logra
 from lightning_logra import LoGRAFabricStrategy, LoGRAFSDPStrategy
 from tests.distributed import run_lightning_on_two_ranks
-from tests.lightning_helpers import CausalLM, config, dataset, loader, reference_weights, trained_weights, trainer
+from tests.lightning_helpers import (
+    CausalLM,
+    config,
+    dataset,
+    loader,
+    reference_weights,
+    trained_weights,
+    trainer,
+)
 
 # FSDP2's all-gathered weights compute exactly what the plain weights compute; with two
 # ranks the sketch is a mean of two half-batch sketches: float32 round-off.
-TWO_RANK_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+TWO_RANK_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def test_importing_the_package_registers_the_name_in_both_registries():
@@ -92,6 +100,15 @@ def _fabric_loop(fabric, rank, world):
     return trained_weights(fabric.strategy)
 
 
+def _sharded(strategy) -> bool:
+    """Whether FSDP2 shards the policy: every parameter a DTensor, the start line saying so."""
+    from torch.distributed.tensor import DTensor
+
+    policy = strategy.logra_optimizer.model
+    every_parameter_sharded = all(isinstance(p, DTensor) for p in policy.parameters())
+    return every_parameter_sharded and strategy.runtime.describe(policy).endswith("; FSDP2 shards the policy over 2 ranks")
+
+
 def _two_rank_runs(rank, world):
     import lightning as L
 
@@ -101,20 +118,21 @@ def _two_rank_runs(rank, world):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer(strategy, max_steps=3, devices=2).fit(CausalLM(), loader(2, rank=rank, world=world))
-        results[f"trainer/{reduction}"] = (strategy.logra_optimizer.layout.name, trained_weights(strategy))
+        results[f"trainer/{reduction}"] = (strategy.logra_optimizer.layout.name, _sharded(strategy), trained_weights(strategy))
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=LoGRAFabricStrategy(logra=config()))
     fabric.launch()
     weights = _fabric_loop(fabric, rank, world)
-    results["fabric/auto"] = (fabric.strategy.logra_optimizer.layout.name, weights)
+    results["fabric/auto"] = (fabric.strategy.logra_optimizer.layout.name, _sharded(fabric.strategy), weights)
     return results
 
 
 @pytest.mark.distributed
-def test_two_devices_equal_the_plain_engine_for_trainer_and_fabric():
+def test_two_devices_shard_the_policy_and_equal_the_plain_engine_for_trainer_and_fabric():
     results = run_lightning_on_two_ranks(_two_rank_runs)
     expected = reference_weights(3, 4, config())
-    for name, (reduction, weights) in results[0].items():
+    for name, (reduction, sharded, weights) in results[0].items():
         assert reduction == name.split("/")[1].replace("auto", "reduce_scatter"), name
+        assert sharded, name
         for weight, reference in zip(weights, expected):
             torch.testing.assert_close(weight, reference, **TWO_RANK_TOLERANCE, msg=name)
 
@@ -132,5 +150,6 @@ def test_model_summary_and_start_line_count_what_logra_trains(tmp_path):
     assert summary.trainable_parameters == targets > 0  # not the "0" of frozen-for-autograd weights
     assert strategy.runtime.describe(module) == (
         f"LoGRA trains {targets:,} parameters in 14 target layers (q_proj, k_proj, v_proj, o_proj, gate_proj, "
-        f"up_proj, down_proj) through rank-8 sketches; the other {total - targets:,} parameters are frozen"
+        f"up_proj, down_proj) through rank-8 sketches; the other {total - targets:,} parameters are frozen; "
+        "one device: the policy is not wrapped in FSDP2"
     )

@@ -8,11 +8,11 @@ from lightning_logra.strategies.fabric import LoGRAFabricStrategy
 from lightning_logra.strategies.trainer import LoGRAFSDPStrategy
 
 STRATEGY_NAME = "logra_fsdp"
-_DESCRIPTION = "FSDP2 data parallelism with LoGRA sketched-gradient updates"
+_DESCRIPTION = "FSDP2 data parallelism (none on one device) with LoGRA sketched-gradient updates"
 
 if STRATEGY_NAME not in StrategyRegistry:
     StrategyRegistry.register(STRATEGY_NAME, LoGRAFSDPStrategy, description=_DESCRIPTION)
 if STRATEGY_NAME not in FABRIC_STRATEGY_REGISTRY:
     FABRIC_STRATEGY_REGISTRY.register(STRATEGY_NAME, LoGRAFabricStrategy, description=_DESCRIPTION)
 
-__all__ = ["LoGRAFSDPStrategy", "LoGRAFabricStrategy", "STRATEGY_NAME"]
+__all__ = ["STRATEGY_NAME", "LoGRAFSDPStrategy", "LoGRAFabricStrategy"]

@@ -11,7 +11,6 @@ LoGRA update to the targets, scaled to the KL budget on the module's
 from __future__ import annotations
 
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,10 +20,18 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_logra.config import LoGRAConfig
+from lightning_logra.strategies.checkpoint import split_state
 from lightning_logra.strategies.runtime import LoGRAStrategyMixin, compute_dtype_for
 
 
 class LoGRAFabricStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
+    """FSDP2 data parallelism with LoGRA on the targets, for Fabric loops.
+
+    On one device the module is not wrapped in FSDP2 (it would shard nothing and copy every
+    block's weights at each call); it is moved to the device as it is. ``fabric.save``
+    writes a checkpoint folder that loads on any number of devices.
+    """
+
     def __init__(
         self,
         logra: LoGRAConfig | None = None,
@@ -49,6 +56,8 @@ class LoGRAFabricStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         compute_dtype = compute_dtype_for(self.precision.precision)
         module = super().setup_module(module)
+        if not self._shards_policy():
+            module.to(self.root_device)  # Lightning leaves placement to fully_shard, which did not run
         self.runtime.install(module, compute_dtype=compute_dtype)
         self._module = module
         return module
@@ -65,16 +74,20 @@ class LoGRAFabricStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any = None, filter: Any = None) -> None:
-        def write(folder: Path) -> None:
-            super(LoGRAFabricStrategy, self).save_checkpoint(folder, state, storage_options=storage_options, filter=filter)
-            self.runtime.save_state(folder)
-
-        self._write_atomically(path, write)
+        name = type(self).__name__
+        if storage_options is not None:
+            raise TypeError(f"{name}.save_checkpoint does not take storage_options: drop the argument")
+        if filter is not None:
+            raise NotImplementedError(
+                f"{name} saves whole state dicts (a distributed checkpoint cannot load filtered ones): drop filter="
+            )
+        tensors, metadata = split_state(state, name)
+        self._save_folder(path, tensors, metadata)
 
     @override
     def load_checkpoint(self, path, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(path))
-        logra_state = self.runtime.read_state(path)  # a config mismatch fails before any state is loaded
-        remaining = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        self.runtime.load_state(logra_state)
-        return remaining
+        if not isinstance(state, dict) or not state:
+            # fabric.load_raw(path, module) reads a weights file, not a folder; no state at all is
+            # an error that names the fix. Lightning's own code does both.
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        return self._load_folder(path, state, strict=strict, weights_only=weights_only)

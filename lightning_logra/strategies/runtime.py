@@ -1,6 +1,7 @@
-"""What the Trainer and Fabric strategies share: FSDP2 sharding, LoGRA installation,
-fetching the step's inputs from the module once, and LoGRA's part of a checkpoint. No
-algorithm lives here: one ``LoGRAOptimizer.step`` call does the update."""
+"""What the Trainer and Fabric strategies share: FSDP2 sharding (across ranks only),
+LoGRA installation, fetching the step's inputs from the module once, and checkpoint
+folders with LoGRA's state. No algorithm lives here: one ``LoGRAOptimizer.step`` call does
+the update."""
 
 from __future__ import annotations
 
@@ -18,10 +19,15 @@ from torch import nn
 
 from lightning_logra.config import LoGRAConfig
 from lightning_logra.optimizer import LoGRAOptimizer
-from lightning_logra.report import StepReport
 from lightning_logra.probe import ProbeBatch
 from lightning_logra.reliability import verify_ranks_agree
+from lightning_logra.report import StepReport
 from lightning_logra.sketch import is_target_name
+from lightning_logra.strategies.checkpoint import (
+    load_folder,
+    require_folder,
+    save_folder,
+)
 
 REFUSED_PRECISIONS = ("16-mixed", "16", "16-true", "transformer-engine", "transformer-engine-float16")
 LOGRA_FOLDER = "logra"  # LoGRA's state inside a checkpoint folder: its own DCP checkpoint
@@ -111,7 +117,7 @@ class LoGRARuntime:
         return sum(state.weight.numel() for state in self._require_optimizer().sketches)
 
     def describe(self, root: nn.Module) -> str:
-        """One line: what LoGRA trains and what stays frozen."""
+        """One line: what LoGRA trains, what stays frozen, whether FSDP2 shards the policy."""
         sketches = self._require_optimizer().sketches
         trained = self.trained_parameters()
         others = sum(p.numel() for p in root.parameters()) - trained
@@ -119,8 +125,15 @@ class LoGRARuntime:
         return (
             f"LoGRA trains {trained:,} parameters in {len(sketches)} target layers "
             f"({', '.join(self.config.target_modules)}) through rank-{self.config.rank} sketches; "
-            f"the other {others:,} parameters are {fate}"
+            f"the other {others:,} parameters are {fate}; {self._sharding()}"
         )
+
+    def _sharding(self) -> str:
+        """Read from the target weights themselves: plain tensors or FSDP2 shards."""
+        group = self._require_optimizer().layout.weight_group
+        if group is None:
+            return "one device: the policy is not wrapped in FSDP2"
+        return f"FSDP2 shards the policy over {dist.get_world_size(group)} ranks"
 
     def remember_base_lr(self, user_optimizers: list[torch.optim.Optimizer]) -> None:
         """The user's initial learning rate, for ``follow_lr_schedule``."""
@@ -187,7 +200,8 @@ class LoGRARuntime:
 
 class LoGRAStrategyMixin:
     """What both strategy classes add to their Lightning base: the LoGRA configuration and
-    runtime, data-parallel-only sizing, FSDP2 sharding of the policy, atomic checkpoints."""
+    runtime, data-parallel-only sizing, FSDP2 sharding of the policy across two or more
+    ranks (none on one device), atomic checkpoint folders that hold LoGRA's state."""
 
     def _init_logra(self, logra: LoGRAConfig | None, train_non_targets: bool, layer_classes: list[str] | None,
                     measure_kl: bool = False) -> None:
@@ -205,17 +219,45 @@ class LoGRAStrategyMixin:
         return self.runtime.last_report
 
     def setup_environment(self) -> None:
-        # Data-parallel only: every process is one FSDP2 shard.
+        # Data-parallel only: every process is one data-parallel rank (one FSDP2 shard when several).
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
 
+    def _shards_policy(self) -> bool:
+        """FSDP2 pays off across ranks only: on one device it shards nothing, and its hooks
+        all-gather (copy) each block's weights at every module call, every decoding step
+        of a rollout included."""
+        return self.device_mesh["data_parallel"].size() > 1
+
     def _shard(self, module: nn.Module, mesh: Any) -> nn.Module:
-        policy = policy_module(module, self.logra_config.target_modules)
-        shard_policy(policy, mesh["data_parallel"], self.logra_config.target_modules, self.layer_classes)
+        if self._shards_policy():
+            policy = policy_module(module, self.logra_config.target_modules)
+            shard_policy(policy, mesh["data_parallel"], self.logra_config.target_modules, self.layer_classes)
         return module
 
     def _data_parallel_group(self) -> dist.ProcessGroup:
         return self.device_mesh["data_parallel"].get_group()
+
+    def _save_folder(self, path: Any, tensors: dict[str, Any], metadata: dict[str, Any]) -> None:
+        """The checkpoint folder at ``path``: shards of ``tensors`` (state dicts),
+        ``metadata`` and LoGRA's state, written atomically."""
+
+        def write(folder: Path) -> None:
+            save_folder(folder, tensors, metadata, rank=self.global_rank)
+            self.runtime.save_state(folder)
+
+        self._write_atomically(path, write)
+
+    def _load_folder(self, path: Any, state: dict[str, Any], *, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+        """Restore ``state`` and LoGRA from the folder at ``path``; return the metadata that
+        ``state`` did not ask for."""
+        path = Path(self.broadcast(path))
+        owner = type(self).__name__
+        require_folder(path, owner)
+        logra_state = self.runtime.read_state(path)  # a structural mismatch fails before any state is loaded
+        remaining = load_folder(path, state, strict=strict, weights_only=weights_only, owner=owner)
+        self.runtime.load_state(logra_state)
+        return remaining
 
     def _write_atomically(self, path: Any, write: Callable[[Path], None]) -> None:
         """``write`` fills "<name>.partial", renamed into place once every rank has

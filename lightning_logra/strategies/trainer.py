@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import torch
-import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.model_parallel import _load_checkpoint
 from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -25,6 +21,10 @@ from lightning_logra.strategies.runtime import LoGRAStrategyMixin, compute_dtype
 
 class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
     """FSDP2 (row-sharded float32 weights), data-parallel only, with LoGRA on the targets.
+
+    On one device the policy is not wrapped in FSDP2: it would shard nothing and copy every
+    block's weights at each module call. Checkpoints are the same folders either way, so a
+    run resumes on another number of devices.
 
     Optimizer contract: keep your ``configure_optimizers``. The target weights (``logra.
     target_modules``) are updated by LoGRA once per optimizer step, after all micro-batches,
@@ -98,34 +98,20 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
 
         return super().optimizer_step(optimizer, closure_then_logra_update, model, **kwargs)
 
-    # Checkpoints: always distributed (one shard per rank), LoGRA's state in its own folder.
+    # Checkpoints: always a folder of shards (one per rank), LoGRA's state in its own folder.
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
         if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-
-        def write(folder: Path) -> None:
-            shards = {"state_dict": checkpoint.pop("state_dict")}
-            shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-            dcp.save(shards, checkpoint_id=folder)
-            self.runtime.save_state(folder)
-            if self.global_rank == 0:
-                torch.save(checkpoint, folder / _METADATA_FILENAME)
-
-        self._write_atomically(filepath, write)
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options: drop the argument")
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+        self._save_folder(filepath, tensors, checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(checkpoint_path))
-        if not (path / _METADATA_FILENAME).is_file():
-            raise ValueError(f"{path} is not a LoGRA checkpoint folder (no {_METADATA_FILENAME})")
-        logra_state = self.runtime.read_state(path)  # a config mismatch fails before any state is loaded
         state = {"state_dict": self.model, **{f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}}
-        # Lightning's own metadata file (loops, callbacks, hyper-parameters) is Lightning's format.
-        remaining = _load_checkpoint(path=path, state=state, strict=self.lightning_module.strict_loading,
-                                     optimizer_states_from_list=True, weights_only=False)
-        self.runtime.load_state(logra_state)
-        return remaining
+        # Lightning's own metadata (loops, callbacks, hyper-parameters) is pickled Python objects.
+        return self._load_folder(checkpoint_path, state, strict=self.lightning_module.strict_loading, weights_only=False)
 
 
 class _LoGRASummary(Summary):
