@@ -35,3 +35,19 @@ def metric_history(database: Path, run_name: str, key: str) -> list[tuple[int, f
     if not rows:
         raise SystemExit(f"run {run_name!r} logged no {key!r}")
     return [(int(step), float(value)) for step, value in rows]
+
+
+def timed_metric_history(database: Path, run_name: str, key: str) -> list[tuple[int, float, float]]:
+    """(step, value, seconds since the run started) of one metric of the MLflow run called
+    ``run_name``, in step order: MLflow stamps every logged value with the wall clock."""
+    with sqlite3.connect(database) as connection:
+        rows = connection.execute(
+            "select m.step, m.value, (m.timestamp - r.start_time) / 1000.0 from metrics m "
+            "join runs r on r.run_uuid = m.run_uuid "
+            "join tags t on t.run_uuid = r.run_uuid and t.key = 'mlflow.runName' "
+            "where t.value = ? and m.key = ? order by m.step, m.timestamp",
+            (run_name, key),
+        ).fetchall()
+    if not rows:
+        raise SystemExit(f"run {run_name!r} logged no {key!r}")
+    return [(int(step), float(value), float(seconds)) for step, value, seconds in rows]

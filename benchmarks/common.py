@@ -19,6 +19,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -161,7 +162,9 @@ def build_mode(mode: str, model, *, probe_responses: int, probe_max_tokens: int,
     if mode == "lora":
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(LoGRAConfig().target_modules)))
+        with warnings.catch_warnings():  # peft asks transformers' deprecated `is_gradient_checkpointing`
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(LoGRAConfig().target_modules)))
     if mode == "logra":
         config = LoGRAConfig(rank=RANK, kl_budget=KL_BUDGET, kl_budget_final=KL_BUDGET, temperature=1.0,
                              probe_responses=probe_responses, probe_max_tokens=probe_max_tokens)

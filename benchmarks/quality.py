@@ -1,20 +1,33 @@
-"""RL quality: dense AdamW vs LoRA r=256 vs LoGRA r=256 on the same task, seeds and steps.
+"""RL quality with error bars: dense AdamW vs LoRA r=256 vs LoGRA r=256, and time to quality.
 
 The task is the quickstart's: SmolLM2-135M-Instruct on one-digit arithmetic
 (``arithmetic:1``, instruction " Answer with just the number."), GRPO, 4 prompts x 8
 samples per step. The three methods run from ``configs/quickstart.yaml`` (LoGRA),
 ``quickstart_dense.yaml`` and ``quickstart_lora.yaml`` through the ``logra`` CLI; only the
-step count, the validation schedule and set, and the swept value are overridden, so every
-run samples the same prompts with the same seeds. Each method gets a two-point sweep
-(dense and LoRA: learning rate; LoGRA: per-step KL budget, cosine-decayed to a quarter of
-itself); the best run of each sweep, by final validation pass@1, is reported. Selecting
-on the validation set flatters every method alike.
+step count, the validation schedule and set, the seed and the swept value are overridden.
+
+Protocol, fixed before measuring:
+1. Each method's sweep (``SWEEPS``, three points each: dense and LoRA the learning rate,
+   LoGRA the per-step KL budget, cosine-decayed to a quarter of itself) runs with seed 0.
+   The best point, by final validation pass@1, must not sit at the edge of its sweep: if
+   it does, the sweep is extended one point at a time in that direction (the sweep's own
+   ratio, at most ``MAX_EXTENSIONS`` points), and the result says so.
+2. Each method's best point runs again with seeds 1 and 2 (``seed_everything``: the
+   prompts drawn and every sample differ).
+3. Reported per method: the mean +- standard deviation over the 3 seeds of the pass@1 gain
+   (final minus the untrained model's, validated with the same seed), and the time to
+   quality: wall-clock seconds from the start of a run until its validation pass@1 first
+   reaches the untrained value + 90% of dense AdamW's mean final gain, as the median over
+   the seeds (a seed that never reaches it counts as infinitely slow). Validation runs
+   every ``VAL_EVERY`` steps in every run alike, so its time is in every method's clock.
 
 Validation pass@1: the mean correctness of 4 samples (temperature 0.7, top-p 0.7) on each
-of ``VAL_SIZE`` held-out prompts, with the same sampling seeds at every evaluation. Step 0
-is one ``logra validate`` of the untrained model.
+of ``VAL_SIZE`` held-out prompts. To fit the whole script in 2 hours on 2 cores the
+validation set is 24 prompts (96 samples; the comparison itself, 3 points x 3 methods and
+3 seeds of each best point, is not reduced). Selecting on the validation set flatters
+every method alike.
 
-    python benchmarks/quality.py     # about an hour on 2 CPU cores; writes results/quality.{json,md,png}
+    python benchmarks/quality.py     # about 2 hours on 2 CPU cores; writes results/quality.{json,md,png}
 
 Run logs and the MLflow store of every run stay in ``lightning_logs/quality``.
 """
@@ -22,127 +35,174 @@ Run logs and the MLflow store of every run stay in ``lightning_logs/quality``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import metric_history, run_logra  # noqa: E402
+from cli_runs import run_logra, timed_metric_history  # noqa: E402
 from common import ROOT, argument_parser, cpu_caption, machine_info, machine_line, save_figure, save_json, write_outputs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEPS = 12
-VAL_EVERY = 12
-VAL_SIZE = 48
+VAL_EVERY = 3
+VAL_SIZE = 24
+SEEDS = (0, 1, 2)  # the sweep runs with the first; the best point with the others too
+MAX_EXTENSIONS = 2
 CONFIGS = {"dense": "configs/quickstart_dense.yaml", "lora": "configs/quickstart_lora.yaml", "logra": "configs/quickstart.yaml"}
-SWEEPS = {
-    "dense": {"lr=1e-5": ["--model.init_args.optimizer.lr=1e-5"], "lr=3e-5": ["--model.init_args.optimizer.lr=3e-5"]},
-    "lora": {"lr=1e-4": ["--model.init_args.optimizer.lr=1e-4"], "lr=3e-4": ["--model.init_args.optimizer.lr=3e-4"]},
-    "logra": {
-        "budget=2e-3": ["--trainer.strategy.init_args.logra.kl_budget=2e-3", "--trainer.strategy.init_args.logra.kl_budget_final=5e-4"],
-        "budget=5e-3": ["--trainer.strategy.init_args.logra.kl_budget=5e-3", "--trainer.strategy.init_args.logra.kl_budget_final=1.25e-3"],
-    },
-}
-# Run only with --add, after the main sweep: LoRA's two points both lowered pass@1, so
-# lower learning rates were added rather than judging LoRA on a sweep that missed its range.
-EXTRA_SWEEPS = {"lora": {"lr=1e-5": ["--model.init_args.optimizer.lr=1e-5"], "lr=3e-5": ["--model.init_args.optimizer.lr=3e-5"]}}
-TARGETS = {"dense_gain_points": 15.0, "logra_vs_dense": 0.95}
+# Swept values in increasing order; chosen before measuring (2026-12-01) around each
+# method's best point of the earlier two-point sweeps (dense 1e-5, LoRA 3e-5, LoGRA 5e-3).
+SWEEPS = {"dense": (3e-6, 1e-5, 3e-5), "lora": (1e-5, 3e-5, 1e-4), "logra": (2e-3, 5e-3, 1.25e-2)}
+TARGETS = {"logra_gain_over_dense": 0.95, "quality_fraction": 0.90, "total_hours": 2.0}
 
 
-def train(method: str, label: str, overrides: list[str], steps: int, val_every: int, step0: float,
-          common: list[str], environment: dict, work: Path) -> dict:
-    name = f"{method}-{label}"
-    arguments = ["fit", "-c", CONFIGS[method], *common, f"--trainer.max_steps={steps}",
-                 f"--trainer.val_check_interval={val_every}", f"--trainer.logger.init_args.run_name={name}", *overrides]
+def overrides(method: str, value: float) -> list[str]:
     if method == "logra":
-        arguments.append(f"--trainer.strategy.init_args.logra.schedule_steps={steps}")
-    print(f"{name}: {steps} steps", flush=True)
-    seconds = run_logra(arguments, environment, work / f"{name}.log")
-    validation = [(0, step0)] + metric_history(work / "mlflow.db", name, "val/pass_at_1")
-    print(f"  final pass@1 {validation[-1][1]:.3f} (gain {100 * (validation[-1][1] - step0):+.1f} points), {seconds:.0f} s", flush=True)
-    return {"method": method, "setting": label, "seconds": seconds, "overrides": overrides, "val_pass_at_1": validation,
-            "reward_mean": metric_history(work / "mlflow.db", name, "reward/mean")}
+        return [f"--trainer.strategy.init_args.logra.kl_budget={value:g}",
+                f"--trainer.strategy.init_args.logra.kl_budget_final={value / 4:g}"]
+    return [f"--model.init_args.optimizer.lr={value:g}"]
 
 
-def common_arguments(val_size: int, work: Path) -> list[str]:
-    return [f"--data.init_args.val_size={val_size}", "--trainer.logger.init_args.experiment_name=quality",
-            f"--trainer.default_root_dir={work}"]
+def label(method: str, value: float) -> str:
+    return f"{'budget' if method == 'logra' else 'lr'}={value:g}"
 
 
-def add_runs(result: dict, names: list[str], work: Path) -> None:
-    """Run extra sweep points into an existing result, with its settings and step-0 value."""
-    environment = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}")
-    for name in names:
-        method, _, label = name.partition("-")
-        if label not in EXTRA_SWEEPS.get(method, {}):
-            raise SystemExit(f"unknown extra run {name!r}; choose from "
-                             f"{[f'{m}-{k}' for m, sweep in EXTRA_SWEEPS.items() for k in sweep]}")
-        run = train(method, label, EXTRA_SWEEPS[method][label], result["steps"], result["val_every"], result["step0_pass_at_1"],
-                    common_arguments(result["val_size"], work), environment, work)
-        run["added"] = " ".join(["python", "benchmarks/quality.py", *sys.argv[1:]])
-        result["runs"].append(run)
+class Runs:
+    """Runs ``logra`` into one MLflow store and reads each run's curves back."""
+
+    def __init__(self, work: Path, steps: int, val_every: int, val_size: int) -> None:
+        self.work, self.steps, self.val_every, self.val_size = work, steps, val_every, val_size
+        self.environment = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}")
+
+    def common(self, seed: int) -> list[str]:
+        return [f"--seed_everything={seed}", f"--data.init_args.val_size={self.val_size}",
+                "--trainer.logger.init_args.experiment_name=quality", f"--trainer.default_root_dir={self.work}"]
+
+    def untrained(self, seed: int) -> dict:
+        name = f"step0-seed{seed}"
+        print(f"{name}: validating the untrained model on {self.val_size} prompts", flush=True)
+        seconds = run_logra(["validate", "-c", CONFIGS["dense"], *self.common(seed), f"--trainer.logger.init_args.run_name={name}"],
+                            self.environment, self.work / f"{name}.log")
+        pass_at_1 = timed_metric_history(self.work / "mlflow.db", name, "val/pass_at_1")[-1][1]
+        print(f"  pass@1 {pass_at_1:.3f} ({seconds:.0f} s)", flush=True)
+        return {"seed": seed, "pass_at_1": pass_at_1, "seconds": seconds}
+
+    def train(self, method: str, value: float, seed: int, step0: float) -> dict:
+        name = f"{method}-{label(method, value)}-seed{seed}"
+        arguments = ["fit", "-c", CONFIGS[method], *self.common(seed), f"--trainer.max_steps={self.steps}",
+                     f"--trainer.val_check_interval={self.val_every}", f"--trainer.logger.init_args.run_name={name}",
+                     *overrides(method, value)]
+        if method == "logra":
+            arguments.append(f"--trainer.strategy.init_args.logra.schedule_steps={self.steps}")
+        print(f"{name}: {self.steps} steps", flush=True)
+        seconds = run_logra(arguments, self.environment, self.work / f"{name}.log")
+        database = self.work / "mlflow.db"
+        validation = timed_metric_history(database, name, "val/pass_at_1")
+        final = validation[-1][1]
+        print(f"  final pass@1 {final:.3f} (gain {100 * (final - step0):+.1f} points), {seconds:.0f} s", flush=True)
+        return {"method": method, "value": value, "setting": label(method, value), "seed": seed, "seconds": seconds,
+                "step0_pass_at_1": step0, "val_pass_at_1": validation,
+                "reward_mean": timed_metric_history(database, name, "reward/mean")}
 
 
-def measure(steps: int, val_every: int, val_size: int, work: Path) -> dict:
-    database = work / "mlflow.db"
-    environment = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{database}")
-    common = common_arguments(val_size, work)
+def gain(run: dict) -> float:
+    return 100 * (run["val_pass_at_1"][-1][1] - run["step0_pass_at_1"])
+
+
+def sweep(runs: Runs, method: str, step0: float) -> tuple[list[dict], list[str]]:
+    """Seed-0 runs of the method's sweep, extended while its best sits at an edge."""
+    values = list(SWEEPS[method])
+    results = {value: runs.train(method, value, SEEDS[0], step0) for value in values}
+    notes = []
+    for _ in range(MAX_EXTENSIONS):
+        ordered = sorted(results)
+        best = max(ordered, key=lambda value: gain(results[value]))
+        if best not in (ordered[0], ordered[-1]):
+            break
+        ratio = ordered[1] / ordered[0] if best == ordered[0] else ordered[-1] / ordered[-2]
+        extra = best / ratio if best == ordered[0] else best * ratio
+        notes.append(f"{method}: best {label(method, best)} at the edge of the sweep; extended to {label(method, extra)}")
+        print(notes[-1], flush=True)
+        results[extra] = runs.train(method, extra, SEEDS[0], step0)
+    return [results[value] for value in sorted(results)], notes
+
+
+def measure(runs: Runs) -> dict:
     started = time.perf_counter()
-    print(f"step 0: validating the untrained model on {val_size} prompts", flush=True)
-    seconds = run_logra(["validate", "-c", CONFIGS["dense"], *common, "--trainer.logger.init_args.run_name=step0"],
-                  environment, work / "step0.log")
-    step0 = metric_history(database, "step0", "val/pass_at_1")[-1][1]
-    print(f"  pass@1 {step0:.3f} ({seconds:.0f} s)", flush=True)
-    runs = [train(method, label, overrides, steps, val_every, step0, common, environment, work)
-            for method, sweep in SWEEPS.items() for label, overrides in sweep.items()]
-    return {"step0_pass_at_1": step0, "step0_seconds": seconds, "runs": runs, "total_seconds": time.perf_counter() - started}
+    untrained = {seed: runs.untrained(seed) for seed in SEEDS}
+    all_runs, notes = [], []
+    for method in CONFIGS:
+        points, extended = sweep(runs, method, untrained[SEEDS[0]]["pass_at_1"])
+        all_runs += points
+        notes += extended
+        best = max(points, key=gain)
+        all_runs += [runs.train(method, best["value"], seed, untrained[seed]["pass_at_1"]) for seed in SEEDS[1:]]
+    return {"untrained": list(untrained.values()), "runs": all_runs, "notes": notes,
+            "total_seconds": time.perf_counter() - started}
 
 
 def summarise(result: dict) -> dict:
     best = {}
-    for method in SWEEPS:
-        candidates = [r for r in result["runs"] if r["method"] == method]
-        winner = max(candidates, key=lambda r: r["val_pass_at_1"][-1][1])
-        best[method] = {"setting": winner["setting"], "final_pass_at_1": winner["val_pass_at_1"][-1][1],
-                        "gain_points": 100 * (winner["val_pass_at_1"][-1][1] - result["step0_pass_at_1"])}
-    dense, lora, logra = (best[m]["gain_points"] for m in ("dense", "lora", "logra"))
+    for method in CONFIGS:
+        seeded = [r for r in result["runs"] if r["method"] == method and r["seed"] == SEEDS[0]]
+        winner = max(seeded, key=gain)
+        repeats = [r for r in result["runs"] if r["method"] == method and r["value"] == winner["value"]]
+        gains = [gain(r) for r in repeats]
+        best[method] = {"setting": winner["setting"], "seeds": [r["seed"] for r in repeats], "gains_points": gains,
+                        "gain_mean": statistics.mean(gains), "gain_std": statistics.stdev(gains) if len(gains) > 1 else 0.0}
+    threshold = TARGETS["quality_fraction"] * best["dense"]["gain_mean"] / 100
+    for method, entry in best.items():
+        times = []
+        for run in (r for r in result["runs"] if r["method"] == method and r["setting"] == entry["setting"]):
+            reached = [seconds for _, value, seconds in run["val_pass_at_1"] if value >= run["step0_pass_at_1"] + threshold]
+            times.append(reached[0] if reached else None)
+        entry["time_to_quality_s"] = times
+        # The median over seeds, a seed that never reached the threshold counting as
+        # infinitely slow (None when most seeds never reached it).
+        median = statistics.median(math.inf if t is None else t for t in times)
+        entry["time_to_quality_median_s"] = None if math.isinf(median) else median
+    dense, logra = best["dense"], best["logra"]
+    logra_time, dense_time = logra["time_to_quality_median_s"], dense["time_to_quality_median_s"]
     return {
         "best": best,
-        "dense_gain_met": dense >= TARGETS["dense_gain_points"],
-        "logra_over_dense": logra / dense if dense else None,
-        "logra_vs_dense_met": dense > 0 and logra >= TARGETS["logra_vs_dense"] * dense,
-        "logra_vs_lora_met": logra >= lora,
-        "within_60_minutes": result["total_seconds"] <= 3600,  # the main sweep; --add runs are extra
+        "quality_threshold_points": 100 * threshold,
+        "logra_gain_over_dense": logra["gain_mean"] / dense["gain_mean"] if dense["gain_mean"] else None,
+        "logra_gain_met": dense["gain_mean"] > 0 and logra["gain_mean"] >= TARGETS["logra_gain_over_dense"] * dense["gain_mean"],
+        "logra_time_met": logra_time is not None and (dense_time is None or logra_time <= dense_time),
+        "within_budget": result["total_seconds"] <= TARGETS["total_hours"] * 3600,
     }
 
 
 def render(result: dict) -> str:
     summary = result["summary"]
-    lines = [
-        f"Start (step 0) validation pass@1: {result['step0_pass_at_1']:.3f} on {result['val_size']} prompts x 4 samples.",
-        "",
-        "| method | setting | final pass@1 | gain (points) | best of sweep | seconds |",
-        "|---|---|---:|---:|:---:|---:|",
-    ]
+    untrained = ", ".join(f"seed {u['seed']} {u['pass_at_1']:.3f}" for u in result["untrained"])
+    lines = [f"Untrained validation pass@1 ({result['val_size']} prompts x 4 samples): {untrained}.", "",
+             "| method | setting | seed | final pass@1 | gain (points) | run s |", "|---|---|---:|---:|---:|---:|"]
     for r in result["runs"]:
-        final = r["val_pass_at_1"][-1][1]
-        chosen = "yes" if summary["best"][r["method"]]["setting"] == r["setting"] else ""
-        setting = r["setting"] + (" (added with --add)" if "added" in r else "")
-        lines.append(f"| {r['method']} | {setting} | {final:.3f} | {100 * (final - result['step0_pass_at_1']):+.1f} | {chosen} | {r['seconds']:.0f} |")
-    ratio = summary["logra_over_dense"]
+        lines.append(f"| {r['method']} | {r['setting']} | {r['seed']} | {r['val_pass_at_1'][-1][1]:.3f} | {gain(r):+.1f} | {r['seconds']:.0f} |")
+    lines += ["", "| method | best setting | gain over 3 seeds (points) | time to quality per seed (s) | median (s) |",
+              "|---|---|---:|---|---:|"]
+    for method, entry in summary["best"].items():
+        times = ", ".join("not reached" if t is None else f"{t:.0f}" for t in entry["time_to_quality_s"])
+        median = "not reached" if entry["time_to_quality_median_s"] is None else f"{entry['time_to_quality_median_s']:.0f}"
+        lines.append(f"| {method} | {entry['setting']} | {entry['gain_mean']:+.1f} +- {entry['gain_std']:.1f} | {times} | {median} |")
+    ratio = summary["logra_gain_over_dense"]
     lines += [
         "",
-        f"Dense AdamW gain {summary['best']['dense']['gain_points']:+.1f} points (target >= {TARGETS['dense_gain_points']:.0f}: "
-        f"{'met' if summary['dense_gain_met'] else 'missed'}). LoGRA gain / dense gain = "
-        f"{'n/a' if ratio is None else f'{ratio:.2f}'} (target >= {TARGETS['logra_vs_dense']}: {'met' if summary['logra_vs_dense_met'] else 'missed'}); "
-        f"LoGRA >= LoRA: {'met' if summary['logra_vs_lora_met'] else 'missed'}. "
-        f"The main sweep took {result['total_seconds'] / 60:.1f} min (target <= 60: {'met' if summary['within_60_minutes'] else 'missed'})"
-        + (f"; the runs added with --add took {sum(r['seconds'] for r in result['runs'] if 'added' in r) / 60:.1f} min more."
-           if any("added" in r for r in result["runs"]) else "."),
+        f"Quality threshold: the untrained pass@1 + {summary['quality_threshold_points']:.1f} points "
+        f"({100 * TARGETS['quality_fraction']:.0f}% of dense AdamW's mean gain).",
+        f"LoGRA mean gain / dense mean gain = {'n/a' if ratio is None else f'{ratio:.2f}'} (target >= "
+        f"{TARGETS['logra_gain_over_dense']}: {'met' if summary['logra_gain_met'] else 'missed'}); LoGRA time to quality <= "
+        f"dense AdamW's: {'met' if summary['logra_time_met'] else 'missed'}; the whole script took "
+        f"{result['total_seconds'] / 3600:.2f} h (target <= {TARGETS['total_hours']:g}: {'met' if summary['within_budget'] else 'missed'}).",
+        *([""] + [f"Sweep extended: {note}." for note in result["notes"]] if result["notes"] else []),
         "",
-        f"{machine_line(result['machine'])}; {result['steps']} steps, validation every {result['val_every']}; command: `{result['command']}`.",
+        f"{machine_line(result['machine'])}; {result['steps']} steps, validation every {result['val_every']}; "
+        f"command: `{result['command']}`.",
     ]
     return "\n".join(lines)
 
@@ -155,20 +215,25 @@ def plot(result: dict, path: Path) -> None:
 
     colours = {"dense": "tab:blue", "lora": "tab:orange", "logra": "tab:green"}
     figure, (reward, validation) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for r in result["runs"]:
-        best = result["summary"]["best"][r["method"]]["setting"] == r["setting"]
-        style = dict(color=colours[r["method"]], alpha=1.0 if best else 0.35, linestyle="-" if best else "--",
-                     label=f"{r['method']} {r['setting']}")
-        steps, values = zip(*r["reward_mean"])
-        reward.plot([s + 1 for s in steps], values, **style)
-        # Entry 0 is the untrained model; the others carry MLflow's step, the 0-based index
-        # of the last update before the validation, so they sit at updates = step + 1.
-        steps, values = zip(*r["val_pass_at_1"])
-        validation.plot([0] + [s + 1 for s in steps[1:]], values, marker="o", **style)
-    reward.set(xlabel="step (rollout batch)", ylabel="training reward (mean of 32 samples, T=1)")
-    validation.set(xlabel="updates applied", ylabel=f"validation pass@1 ({result['val_size']} prompts x 4, T=0.7)")
-    save_figure(figure, path, f"GRPO, SmolLM2-135M-Instruct, arithmetic:1 - {cpu_caption(result['machine'])}, "
-                              "python benchmarks/quality.py (solid: best of sweep)", legend_fontsize=7)
+    for method, entry in result["summary"]["best"].items():
+        repeats = [r for r in result["runs"] if r["method"] == method and r["setting"] == entry["setting"]]
+        for axis, key, gains_from in ((reward, "reward_mean", None), (validation, "val_pass_at_1", "step0_pass_at_1")):
+            curves = [[(seconds, value - (r[gains_from] if gains_from else 0.0)) for _, value, seconds in r[key]] for r in repeats]
+            points = min(len(curve) for curve in curves)
+            seconds = [statistics.mean(curve[i][0] for curve in curves) for i in range(points)]
+            values = [[curve[i][1] for curve in curves] for i in range(points)]
+            mean = [statistics.mean(v) for v in values]
+            spread = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
+            axis.plot(seconds, mean, color=colours[method], marker="o" if gains_from else None,
+                      label=f"{method} {entry['setting']} ({len(repeats)} seeds)")
+            axis.fill_between(seconds, [m - s for m, s in zip(mean, spread)], [m + s for m, s in zip(mean, spread)],
+                              color=colours[method], alpha=0.2)
+    validation.axhline(result["summary"]["quality_threshold_points"] / 100, color="grey", linestyle=":", label="quality threshold")
+    reward.set(xlabel="wall-clock seconds since the run started", ylabel="training reward (mean of 32 samples, T=1)")
+    validation.set(xlabel="wall-clock seconds since the run started",
+                   ylabel=f"validation pass@1 gain ({result['val_size']} prompts x 4, T=0.7)")
+    save_figure(figure, path, f"GRPO, SmolLM2-135M-Instruct, arithmetic:1, mean +- std over seeds - "
+                              f"{cpu_caption(result['machine'])}, {result['command']}", legend_fontsize=7)
 
 
 def main() -> None:
@@ -177,30 +242,18 @@ def main() -> None:
     parser.add_argument("--val-every", type=int, default=VAL_EVERY)
     parser.add_argument("--val-size", type=int, default=VAL_SIZE)
     parser.add_argument("--out", default="quality", help="results file stem under benchmarks/results")
-    parser.add_argument("--add", nargs="+", metavar="RUN",
-                        help="run extra sweep points (e.g. lora-lr=1e-5) into results/<out>.json, reusing its settings, step 0 "
-                             "and MLflow store")
     args = parser.parse_args()
     if args.render:
         result = json.loads(args.render.read_text())
         stem = args.render.with_suffix("")
-    elif args.add:
-        stem = RESULTS / args.out
-        result = json.loads(stem.with_suffix(".json").read_text())
-        add_runs(result, args.add, ROOT / "lightning_logs" / "quality")
-        result["summary"] = summarise(result)
-        save_json(stem.with_suffix(".json"), result)
     else:
         work = ROOT / "lightning_logs" / "quality"  # run logs and the MLflow store, kept for inspection
         if work.exists():
             shutil.rmtree(work)
         work.mkdir(parents=True)
-        result = measure(args.steps, args.val_every, args.val_size, work)
-        result.update({
-            "command": " ".join(["python", "benchmarks/quality.py", *sys.argv[1:]]),
-            "machine": machine_info(),
-            "steps": args.steps, "val_every": args.val_every, "val_size": args.val_size,
-        })
+        result = measure(Runs(work, args.steps, args.val_every, args.val_size))
+        result.update({"command": " ".join(["python", "benchmarks/quality.py", *sys.argv[1:]]), "machine": machine_info(),
+                       "steps": args.steps, "val_every": args.val_every, "val_size": args.val_size})
         result["summary"] = summarise(result)
         stem = RESULTS / args.out
         save_json(stem.with_suffix(".json"), result)
