@@ -25,16 +25,7 @@ def run_logra(arguments: list[str], environment: dict, log: Path) -> float:
 
 def metric_history(database: Path, run_name: str, key: str) -> list[tuple[int, float]]:
     """(step, value) of one metric of the MLflow run called ``run_name``, in step order."""
-    with sqlite3.connect(database) as connection:
-        rows = connection.execute(
-            "select m.step, m.value from metrics m join runs r on r.run_uuid = m.run_uuid "
-            "join tags t on t.run_uuid = r.run_uuid and t.key = 'mlflow.runName' "
-            "where t.value = ? and m.key = ? order by m.step, m.timestamp",
-            (run_name, key),
-        ).fetchall()
-    if not rows:
-        raise SystemExit(f"run {run_name!r} logged no {key!r}")
-    return [(int(step), float(value)) for step, value in rows]
+    return [(step, value) for step, value, _ in timed_metric_history(database, run_name, key)]
 
 
 def timed_metric_history(database: Path, run_name: str, key: str) -> list[tuple[int, float, float]]:
