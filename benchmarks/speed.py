@@ -24,6 +24,7 @@ Other rows:
 
     python benchmarks/speed.py                   # 2,048 tokens per micro-batch, 4 micro-batches, 5 repetitions
     python benchmarks/speed.py --tokens 8192 --add   # append a row to the existing results
+    python benchmarks/speed.py --tokens 2048 --add --rerun   # measure a row again (the earlier one is kept)
 
 A row added with ``--add`` keeps its own command, machine and date; its ratios, like every
 row's, come from modes timed side by side in that one run.
@@ -119,6 +120,12 @@ def render(result: dict) -> str:
             lines.append(f"Row {row['tokens_per_micro_batch']} x {micro_batches_of(row)} was measured in a separate run: "
                          f"{machine_line(added['machine'])}; median of {added['reps']} repetitions; command: `{added['command']}`."
                          + (f" {added['note']}" if "note" in added else ""))
+        if "earlier" in row:
+            earlier = row["earlier"]
+            lines.append(f"Row {row['tokens_per_micro_batch']} x {micro_batches_of(row)} replaces an earlier measurement "
+                         f"({machine_line(earlier['machine'])}): LoGRA / dense {earlier['logra_over_dense']:.3f} "
+                         f"({earlier['logra_over_dense_without_probe']:.3f} without the probe), probe share "
+                         f"{100 * earlier['probe_share_of_logra_step']:.0f}%; its samples are in results/speed.json.")
     return "\n".join(lines)
 
 
@@ -146,6 +153,7 @@ def main() -> None:
     parser.add_argument("--probe-max-tokens", type=int, help="LoGRA's probe_max_tokens (default: the whole sequence)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--add", action="store_true", help="append the measured rows to results/speed.json instead of replacing it")
+    parser.add_argument("--rerun", action="store_true", help="with --add: replace rows already measured (the earlier one is kept in the new row)")
     args = parser.parse_args()
     command = " ".join(["python", "benchmarks/speed.py", *sys.argv[1:]])
     if args.render:
@@ -153,14 +161,20 @@ def main() -> None:
     elif args.add:
         result = json.loads((RESULTS / "speed.json").read_text())
         measured = {row_key(row) for row in result["rows"]} & {(tokens, args.micro_batches) for tokens in args.tokens}
-        if measured:
-            parser.error(f"--add: results/speed.json already has rows for (tokens, micro-batches) {sorted(measured)}")
+        if measured and not args.rerun:
+            parser.error(f"--add: results/speed.json already has rows for (tokens, micro-batches) {sorted(measured)}; "
+                         "--rerun replaces them, keeping the earlier measurement inside the new row")
         for tokens in args.tokens:
             started = time.perf_counter()
             row = measure_tokens(tokens, args.micro_batches, args.probe_max_tokens, args.reps)
             row["added"] = {"command": command, "machine": machine_info(),
                             "reps": args.reps, "runtime_s": time.perf_counter() - started}
-            result["rows"].append(row)
+            earlier = [old for old in result["rows"] if row_key(old) == row_key(row)]
+            if earlier:
+                row["earlier"] = earlier[0] | {"machine": earlier[0].get("added", result)["machine"]}
+                result["rows"] = [row if old is earlier[0] else old for old in result["rows"]]
+            else:
+                result["rows"].append(row)
             save_json(RESULTS / "speed.json", result)
     else:
         started = time.perf_counter()
