@@ -345,14 +345,14 @@ class _AttentionWithTangent(torch.autograd.Function):
             key, value, key_t, value_t = (x.repeat_interleave(groups, dim=-3) for x in (key, value, key_t, value_t))
         # dS = scale * [Q, dQ] [dK, K]^T: one matmul of twice the depth instead of two and a sum.
         keys_for_score_t = torch.cat([key_t, key], dim=-1).transpose(-2, -1)
-        key_t_major = key.transpose(-2, -1)
+        key_transposed = key.transpose(-2, -1)
         attn_mask, scale = ctx.attn_mask, ctx.scale
         blocks = []
         for rows in _chunks(query.shape[-2], ctx.block):
             # Under is_causal, keys after the block's last query are never attended: skip them.
             keys = slice(0, min(rows.stop, key.shape[-2])) if ctx.is_causal else slice(None)
             query_rows = query[..., rows, :] * scale  # scaling the block's queries, not its scores
-            scores = query_rows @ key_t_major[..., keys]
+            scores = query_rows @ key_transposed[..., keys]
             if ctx.is_causal:  # only the keys from the block's first query on can be in the future
                 future = torch.ones(rows.stop - rows.start, scores.shape[-1] - rows.start, dtype=torch.bool,
                                     device=query.device).triu_(1)

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
