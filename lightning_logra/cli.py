@@ -1,9 +1,13 @@
 """The ``logra`` command: LightningCLI (fit/validate, YAML configs, OmegaConf
-interpolation) with LoGRA's strategy registered and MLflow tracking wired in."""
+interpolation) with LoGRA's strategy registered and MLflow tracking wired in, and
+``logra export`` (a checkpoint to a Hugging Face folder), parsed apart from the
+LightningCLI, which knows only Trainer methods as subcommands."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -14,6 +18,8 @@ from lightning.pytorch.loggers import MLFlowLogger
 import lightning_logra  # noqa: F401  (registers the "logra_fsdp" strategy name)
 
 MLFLOW_LOGGER = "lightning.pytorch.loggers.MLFlowLogger"
+EXPORT_HELP = ("logra export --ckpt_path PATH --out DIR: write a checkpoint's policy as a Hugging Face folder "
+               "(see logra export --help)")
 
 def default_tracking_uri() -> str:
     """``MLFLOW_TRACKING_URI`` if set, else an embedded SQLite store in the working folder
@@ -66,13 +72,42 @@ def _class_path(value: Any) -> str | None:
         return None
 
 
+def export_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="logra export",
+        description="Write the policy of a training checkpoint as a Hugging Face folder (LoRA adapters merged).",
+    )
+    parser.add_argument("--ckpt_path", required=True, help="a logra_fsdp checkpoint folder or a Lightning .ckpt file")
+    parser.add_argument("--out", required=True, help="the Hugging Face folder to write")
+    parser.add_argument("--model", default=None,
+                        help="hub id or folder to build the model from, instead of the one the checkpoint records")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")
+    return parser
+
+
+def export(args: list[str]) -> None:
+    """``logra export``: refusals of the user's inputs end with their message, not a traceback."""
+    from lightning_logra.models.export import export_checkpoint  # on use: fit and --help stay light
+
+    options = export_parser().parse_args(args)
+    try:
+        exported = export_checkpoint(options.ckpt_path, options.out, model=options.model, overwrite=options.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
+        raise SystemExit(f"logra export: {error}") from error
+    print(exported.summary())
+
+
 def main(args: list[str] | None = None) -> None:
+    given = sys.argv[1:] if args is None else list(args)
+    if given[:1] == ["export"]:
+        export(given[1:])
+        return
     LoGRACLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_callback=MLflowConfigCallback,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"parser_mode": "omegaconf"},
+        parser_kwargs={"parser_mode": "omegaconf", "epilog": EXPORT_HELP},
         args=args,
     )
 

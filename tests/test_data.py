@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_logra.data import (
     PromptDataModule,
+    collate_prompts,
     ResumableSampler,
     arithmetic_rows,
     read_rows,
@@ -64,9 +65,10 @@ def test_read_rows_hub_name_without_datasets_says_what_to_install():
 
 BAD_ROWS = [
     ({"answer": "1"}, "needs field 'prompt' or 'messages'"),
-    ({"prompt": "What is 1 + 1?"}, "missing field 'answer'"),
+    ({"prompt": [], "answer": "1"}, "field 'prompt' must be a non-empty list"),
     ({"prompt": "   ", "answer": "1"}, "field 'prompt' must be a non-empty string"),
-    ({"prompt": 12, "answer": "1"}, "field 'prompt' must be a non-empty string"),
+    ({"prompt": 12, "answer": "1"}, "field 'prompt' must be a non-empty string or a list of messages"),
+    ({"prompt": [{"role": "user"}]}, r"field 'prompt\[0\]' needs a string 'content'"),
     ({"prompt": "Hi", "answer": [1]}, "field 'answer' must be a string or number, got list"),
     ({"prompt": "Hi", "answer": True}, "field 'answer' must be a string or number, got bool"),
     ({"messages": [], "answer": "1"}, "field 'messages' must be a non-empty list"),
@@ -135,7 +137,7 @@ def test_datamodule_without_chat_template_uses_the_plain_prompt():
 
 def test_datamodule_skips_invalid_and_long_rows(tmp_path):
     too_long = {"prompt": "x" * 40, "answer": "1"}
-    lines = [json.dumps(GOOD_ROWS[0]), "{broken", json.dumps(too_long), json.dumps({"prompt": "Hi"})]
+    lines = [json.dumps(GOOD_ROWS[0]), "{broken", json.dumps(too_long), json.dumps({"prompt": "Hi", "answer": [1]})]
     path = write_jsonl(tmp_path / "train.jsonl", lines)
     tokenizer = byte_tokenizer(tmp_path)
     strict = PromptDataModule(path, tokenizer=tokenizer)
@@ -145,7 +147,7 @@ def test_datamodule_skips_invalid_and_long_rows(tmp_path):
     data = PromptDataModule(path, tokenizer=tokenizer, skip_invalid_rows=True, max_prompt_tokens=33)
     data.setup("fit")
     assert data.skipped == {"train": {"invalid": 2, "too_long": 1}}
-    assert data.datasets["train"].answers == ["5"]
+    assert [row["answer"] for row in data.datasets["train"].columns] == ["5"]
     assert len(tokenizer(data.datasets["train"].prompt_texts[0])["input_ids"]) == 33
 
 
@@ -232,3 +234,77 @@ def test_instruction_and_arithmetic_digits():
     assert all(len(token) == 1 for p in prompts for token in p.split("?")[0].split()[2::2])
     with pytest.raises(ValueError, match="arithmetic:<max_digits>"):
         PromptDataModule(train="arithmetic:x").setup("fit")
+
+
+CHAT_PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+
+
+def first_val_batch(tmp_path, rows, **options):
+    """The rows as one batch of the (unshuffled) validation loader."""
+    path = write_jsonl(tmp_path / "rows.jsonl", [json.dumps(row) for row in rows])
+    data = PromptDataModule(path, val=path, tokenizer=byte_tokenizer(tmp_path), batch_size=len(rows), **options)
+    data.setup("fit")
+    return next(iter(data.val_dataloader()))
+
+
+def test_conversational_prompt_renders_with_the_chat_template(tmp_path):
+    batch = first_val_batch(tmp_path, [{"prompt": CHAT_PROMPT, "answer": "5"}], instruction=" Just the number.")
+    assert batch["prompt_text"] == [
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2 + 3? Just the number.<|im_end|>\n<|im_start|>assistant\n"
+    ]
+
+
+def test_conversational_prompt_passes_its_messages_through_unchanged(tmp_path):
+    batch = first_val_batch(tmp_path, [{"prompt": CHAT_PROMPT, "answer": "5"}], instruction=" Just the number.")
+    assert batch["prompt"] == [CHAT_PROMPT]
+
+
+def test_batch_prompt_is_the_string_or_the_messages_of_each_row(tmp_path):
+    batch = first_val_batch(tmp_path, GOOD_ROWS)
+    assert batch["prompt"] == ["What is 2 + 3?", [{"role": "user", "content": "What is 7 - 4?"}]]
+
+
+def test_extra_columns_pass_through_collate(tmp_path):
+    rows = [{"prompt": "Hi", "answer": 1, "task": "math", "solution": "1"}, {"prompt": "Yo", "task": "chat"}]
+    batch = first_val_batch(tmp_path, rows)
+    assert batch == {
+        "prompt_text": [
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+            "<|im_start|>user\nYo<|im_end|>\n<|im_start|>assistant\n",
+        ],
+        "prompt": ["Hi", "Yo"],
+        "answer": ["1", None],
+        "task": ["math", "chat"],
+        "solution": ["1", None],
+    }
+
+
+def test_missing_answer_is_allowed():
+    rows = [{"prompt": "Hi"}, {"prompt": "Yo", "answer": None}]
+    assert validate_rows(rows, "memory") == (rows, 0)
+
+
+def test_collate_prompts_always_has_prompt_text_prompt_and_answer():
+    batch = collate_prompts([{"task": "a"}])
+    assert batch == {"prompt_text": [None], "prompt": [None], "answer": [None], "task": ["a"]}
+
+
+def test_reasoning_gym_task_column_reaches_the_batch():
+    data = PromptDataModule("arithmetic", val="reasoning_gym:basic_arithmetic", batch_size=2, val_size=2)
+    data.setup("fit")
+    assert next(iter(data.val_dataloader()))["task"] == ["basic_arithmetic", "basic_arithmetic"]
+
+
+def test_instruction_is_appended_to_the_last_user_message_of_a_messages_row(tmp_path):
+    chat = [*CHAT_PROMPT, {"role": "assistant", "content": "5"}, {"role": "user", "content": "And 3 + 4?"}]
+    batch = first_val_batch(tmp_path, [{"messages": chat}], instruction=" Just the number.")
+    last_turn = "<|im_start|>user\nAnd 3 + 4? Just the number.<|im_end|>\n<|im_start|>assistant\n"
+    assert batch["prompt_text"][0].endswith(last_turn)
+    assert batch["prompt"] == [chat]
+
+
+def test_instruction_needs_a_user_message_in_a_conversational_prompt(tmp_path):
+    rows = [{"prompt": [{"role": "system", "content": "Only a system turn."}]}]
+    with pytest.raises(ValueError, match="a prompt has no 'user' message"):
+        first_val_batch(tmp_path, rows, instruction=" Be brief.")

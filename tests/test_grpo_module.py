@@ -18,7 +18,7 @@ LOGGED = {"reward/mean", "reward/std", "reward/zero_std_groups", "reward/failure
           "perf/forward_backward_s", "perf/optimizer_step_s", "perf/weight_sync_s"}
 
 
-def varied_reward(completions, answers):
+def varied_reward(completions, **kwargs):
     """A reward a random tiny model earns unevenly, so that advantages are not all zero."""
     return [sum(map(ord, text)) % 7 / 7 for text in completions]
 

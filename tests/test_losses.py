@@ -8,6 +8,7 @@ from lightning_logra.modules.losses import (
     dr_grpo_loss,
     group_advantages,
     grpo_loss,
+    gspo_loss,
     reinforce_baseline_loss,
 )
 
@@ -132,6 +133,45 @@ def test_reinforce_loss_uses_truncated_importance_weights():
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-2.0, -0.5], [0.5, 0.0]]) / 3)
 
 
+def test_grpo_loss_weights_each_token_by_its_capped_rollout_ratio():
+    logprobs, old_logprobs, advantages, mask = clipping_case()
+    # Old-trainer/rollout ratios per token: 3 (capped at 2), 0.5, 1 on row 0; 1, 1 on row 1.
+    rollout_logprobs = old_logprobs - torch.tensor([[math.log(3), math.log(0.5), 0.0], [0.0, 0.0, 0.0]])
+    loss, stats = grpo_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs=rollout_logprobs, tis_cap=2.0)
+    torch.testing.assert_close(loss, torch.tensor((2 * -1.2 + 0.5 * -0.9 - 1.0 + 1.6 + 2.2) / 5))
+    torch.testing.assert_close(stats["tis_weight_mean"], torch.tensor((2 + 0.5 + 1 + 1 + 1) / 5))
+    torch.testing.assert_close(stats["tis_capped_fraction"], torch.tensor(1 / 5))
+    dr_loss, _ = dr_grpo_loss(logprobs, old_logprobs, advantages, mask, max_completion_length=4,
+                              rollout_logprobs=rollout_logprobs, tis_cap=2.0)
+    torch.testing.assert_close(dr_loss, loss * 5 / (2 * 4))
+
+
+def test_gspo_loss_clips_the_geometric_mean_ratio_of_each_sequence():
+    # Row 0: token log-ratios ln 1.5, ln 0.9, 0 -> s = (1.35)^(1/3) = 1.1052, A = +1, clipped at 1 + 0.1.
+    # Row 1: log-ratios ln 0.5 (masked prompt position ignored), ln 1.1 -> s = 0.55^(1/2), A = -2, clipped at 0.9.
+    logprobs, old_logprobs, advantages, mask = clipping_case()
+    loss, stats = gspo_loss(logprobs, old_logprobs, advantages, mask, epsilon_low=0.1, epsilon_high=0.1)
+    row0, row1 = 1.35 ** (1 / 3), 0.55 ** 0.5
+    expected = (-min(row0 * 1, 1.1 * 1) + -min(row1 * -2, 0.9 * -2)) / 2
+    torch.testing.assert_close(loss, torch.tensor(expected))
+    torch.testing.assert_close(stats["clip_fraction"], torch.tensor(1.0))  # both left the range the way A pushes
+    loss, stats = gspo_loss(logprobs, old_logprobs, advantages, mask, epsilon_low=0.5, epsilon_high=0.5)
+    torch.testing.assert_close(loss, torch.tensor((-row0 + 2 * row1) / 2))
+    assert stats["clip_fraction"] == 0
+
+
+def test_gspo_loss_has_a_sequence_level_importance_weight():
+    logprobs, old_logprobs, advantages, mask = clipping_case()
+    rollout_logprobs = old_logprobs - torch.tensor([[math.log(8), 0.0, 0.0], [0.0, math.log(1.44), 0.0]])
+    loss, stats = gspo_loss(logprobs, old_logprobs, advantages, mask, epsilon_low=0.5, epsilon_high=0.5,
+                            rollout_logprobs=rollout_logprobs, tis_cap=1.5)
+    # Sequence weights: 8^(1/3) = 2 (capped at 1.5) and 1.44^(1/2) = 1.2.
+    row0, row1 = 1.35 ** (1 / 3), 0.55 ** 0.5
+    torch.testing.assert_close(loss, torch.tensor((-row0 * 1.5 + 2 * row1 * 1.2) / 2))
+    torch.testing.assert_close(stats["tis_weight_mean"], torch.tensor((1.5 + 1.2) / 2))
+    torch.testing.assert_close(stats["tis_capped_fraction"], torch.tensor(0.5))
+
+
 def test_losses_accept_per_token_advantages():
     logprobs, old_logprobs, advantages, mask = clipping_case()
     per_token = advantages.unsqueeze(1).expand(2, 3)
@@ -148,5 +188,9 @@ def test_losses_name_the_bad_input():
         grpo_loss(logprobs, logprobs, torch.zeros(3), torch.ones(2, 3))
     with pytest.raises(ValueError, match="mask selects no tokens"):
         reinforce_baseline_loss(logprobs, logprobs, torch.zeros(2), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="gspo needs one advantage per sequence"):
+        gspo_loss(logprobs, logprobs, torch.zeros(2, 3), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="rollout_logprobs has shape"):
+        grpo_loss(logprobs, logprobs, torch.zeros(2), torch.ones(2, 3), rollout_logprobs=torch.zeros(1, 3))
     with pytest.raises(ValueError, match="aggregation"):
         grpo_loss(logprobs, logprobs, torch.zeros(2), torch.ones(2, 3), aggregation="mean")

@@ -5,7 +5,7 @@ import torch
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from lightning_logra.modules.logprobs import sequence_logprobs
-from lightning_logra.rollout import HFRolloutEngine, Rollouts, VLLMRolloutEngine, pack_rollouts
+from lightning_logra.rollout import HFRolloutEngine, Rollouts, VLLMRolloutEngine, pack_rollouts, select_rows
 from tests.tiny_models import byte_tokenizer, favour_token, tiny_qwen2
 
 PROMPTS = ["What is 2 + 3?", "Hi"]  # 14 and 2 byte tokens: the second is left-padded
@@ -124,15 +124,54 @@ def test_hf_rollout_logprobs_line_up_with_sequence_logprobs(model, rollouts):
     torch.testing.assert_close(trainer[mask], rollouts.rollout_logprobs[:, 1:][mask], rtol=0, atol=1e-5)
 
 
-def test_hf_rollout_logprobs_under_top_p_are_those_of_the_nucleus(model, tokenizer):
+def test_hf_rollout_logprobs_under_top_p_are_those_of_the_full_distribution(model, tokenizer):
+    # The trainer scores the untruncated tempered distribution; so does the engine, so the
+    # rollout/trainer ratio measures numerical mismatch only.
     torch.manual_seed(1)
     engine = HFRolloutEngine(model, tokenizer, max_new_tokens=6, temperature=1.3, top_p=0.5)
     rollouts = engine.generate(PROMPTS, num_generations=2)
-    expected = recomputed_logprobs(model, rollouts, 1.3, top_p=0.5)
-    torch.testing.assert_close(rollouts.rollout_logprobs, expected, rtol=0, atol=1e-5)
-    full = recomputed_logprobs(model, rollouts, 1.3)
+    torch.testing.assert_close(rollouts.rollout_logprobs, recomputed_logprobs(model, rollouts, 1.3), rtol=0, atol=1e-5)
+    nucleus = recomputed_logprobs(model, rollouts, 1.3, top_p=0.5)
     completion = rollouts.completion_mask.bool()
-    assert (rollouts.rollout_logprobs[completion] > full[completion]).all()  # renormalised over fewer tokens
+    assert (nucleus[completion] > rollouts.rollout_logprobs[completion]).all()  # the nucleus renormalises
+
+
+def test_hf_top_k_samples_only_the_k_most_likely_tokens(model, tokenizer):
+    torch.manual_seed(2)
+    engine = HFRolloutEngine(model, tokenizer, max_new_tokens=6, temperature=1.5, top_k=3)
+    rollouts = engine.generate(PROMPTS, num_generations=3)
+    mask = rollouts.attention_mask
+    with torch.no_grad():
+        logits = model(input_ids=rollouts.input_ids, attention_mask=mask,
+                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, :-1]
+    top3 = logits.topk(3, dim=-1).indices
+    sampled = rollouts.input_ids[:, 1:, None]
+    completion = rollouts.completion_mask[:, 1:].bool()
+    assert (top3 == sampled).any(dim=-1)[completion].all()
+    torch.testing.assert_close(rollouts.rollout_logprobs, recomputed_logprobs(model, rollouts, 1.5), rtol=0, atol=1e-5)
+
+
+def test_rollout_and_trainer_logprobs_agree_at_temperature_1_without_truncation(model, tokenizer):
+    torch.manual_seed(3)
+    rollouts = HFRolloutEngine(model, tokenizer, max_new_tokens=8).generate(PROMPTS, num_generations=4)
+    with torch.no_grad():
+        trainer = sequence_logprobs(model, rollouts.input_ids, rollouts.attention_mask, temperature=1.0)
+    mask = rollouts.completion_mask[:, 1:].bool()
+    gap = (trainer - rollouts.rollout_logprobs[:, 1:])[mask].abs()
+    assert gap.max() < 1e-5  # float32 round-off of two forwards of differing batch shapes
+
+
+def test_select_rows_lays_out_chosen_rows_of_several_rollouts_anew():
+    wide = pack_rollouts([[5, 6, 7], [8]], [[1, 2], [3, 4, 9]], [[-0.5, -1.0], [-2.0, -0.25, -3.0]], ["ab", "cd"],
+                         [True, False], pad_token_id=0)
+    narrow = pack_rollouts([[4]], [[2]], [[-1.5]], ["e"], [True], pad_token_id=0)
+    picked = select_rows([(wide, [1]), (narrow, [0])], pad_token_id=0)
+    expected = pack_rollouts([[8], [4]], [[3, 4, 9], [2]], [[-2.0, -0.25, -3.0], [-1.5]], ["cd", "e"], [False, True], pad_token_id=0)
+    for field in ("input_ids", "attention_mask", "completion_mask", "rollout_logprobs", "ended_with_eos"):
+        assert torch.equal(getattr(picked, field), getattr(expected, field)), field
+    assert picked.completion_text == ["cd", "e"] and picked.prompt_length == 1
+    same = select_rows([(wide, [0, 1])], pad_token_id=0)
+    assert torch.equal(same.input_ids, wide.input_ids) and torch.equal(same.rollout_logprobs, wide.rollout_logprobs)
 
 
 def test_hf_greedy_rollouts_are_deterministic(model, tokenizer):
@@ -146,6 +185,8 @@ def test_hf_greedy_rollouts_are_deterministic(model, tokenizer):
 def test_hf_engine_rejects_bad_settings(model, tokenizer):
     with pytest.raises(ValueError, match="top_p"):
         HFRolloutEngine(model, tokenizer, max_new_tokens=4, top_p=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        HFRolloutEngine(model, tokenizer, max_new_tokens=4, top_k=-1)
     with pytest.raises(ValueError, match="temperature"):
         HFRolloutEngine(model, tokenizer, max_new_tokens=4, temperature=0.0)
     with pytest.raises(ValueError, match="num_generations"):

@@ -62,11 +62,19 @@ def test_step_runs_the_whole_update_and_reports_it():
     assert {"logra/alpha", "logra/budget", "logra/predicted_kl", "logra/skipped_steps", "perf/logra_probe_s"} <= set(report.metrics())
 
 
+def probe_settings(optimizer) -> dict:
+    """The optimizer's probe packing and chunking, so that a direct call sums in the same order
+    (with 2 threads, a different packing changes float32 round-off on some CPUs)."""
+    return {"max_tokens": optimizer.config.probe_max_tokens, "position_chunk": optimizer.config.probe_position_chunk}
+
+
 def test_step_predicts_on_the_first_probe_responses_only():
     model, optimizer = make(probe_responses=2)
     batch = backward(model, optimizer, 0)
     optimizer.prepare_update(normalization_tokens=1)
-    first_two = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch.from_token_batch(batch[:2]))
+    # The same probe settings as the optimizer's: the same packing, so the same float32 sums.
+    first_two = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch.from_token_batch(batch[:2]),
+                                   **probe_settings(optimizer))
     assert optimizer.predict_kl(ProbeBatch.from_token_batch(batch).first_rows(2)) == first_two
 
 
@@ -84,8 +92,9 @@ def test_probe_temperature_is_the_sampling_temperature_unless_set():
     batch = backward(model, optimizer, 0)
     optimizer.prepare_update(normalization_tokens=1)
     layers = optimizer.probe_layers()
-    at_07 = probe_predicted_kl(model, layers, ProbeBatch.from_token_batch(batch[:2]), temperature=0.7)
-    at_1 = probe_predicted_kl(model, layers, ProbeBatch.from_token_batch(batch[:2]), temperature=1.0)
+    settings = probe_settings(optimizer)
+    at_07 = probe_predicted_kl(model, layers, ProbeBatch.from_token_batch(batch[:2]), temperature=0.7, **settings)
+    at_1 = probe_predicted_kl(model, layers, ProbeBatch.from_token_batch(batch[:2]), temperature=1.0, **settings)
     assert at_07 > 1.5 * at_1  # the KL of a logit change grows as the temperature falls
     sampled = dataclasses.replace(ProbeBatch.from_token_batch(batch[:2]), temperature=0.7)
     assert optimizer.predict_kl(sampled) == at_07

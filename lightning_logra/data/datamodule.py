@@ -1,4 +1,4 @@
-"""LightningDataModule of RL prompts: rows -> chat-formatted prompt texts and reference answers."""
+"""LightningDataModule of RL prompts: rows -> chat-formatted prompt texts plus the row's columns."""
 
 import itertools
 from pathlib import Path
@@ -11,8 +11,14 @@ from lightning_logra.data.sources import arithmetic_rows, read_rows, reasoning_g
 
 
 class PromptDataModule(LightningDataModule):
-    """Batches of ``{"prompt_text": list[str], "answer": list[str]}``, ``batch_size`` prompts per
-    step on each rank. Tokenising for generation is the rollout engine's job.
+    """Batches of ``batch_size`` prompts per step on each rank, as a dict of lists (see
+    ``collate_prompts``): ``prompt_text`` (the rendered chat text to generate from),
+    ``prompt`` (the row's original prompt: its string, or its messages list), ``answer``
+    (``str``, or None for a row without one) and every other column of the rows, which the
+    reward functions receive. Tokenising for generation is the rollout engine's job.
+
+    Rows are in TRL's formats: ``prompt`` a string or a list of ``{"role", "content"}``
+    messages, or ``messages`` such a list (see ``validate_rows``).
 
     Sources (``train``, ``val``): a ``.jsonl``/``.json``/``.parquet`` file, a Hugging Face
     dataset name (``train_split``/``val_split``), ``"arithmetic"`` (synthetic, see
@@ -24,7 +30,11 @@ class PromptDataModule(LightningDataModule):
     Prompts longer than ``max_prompt_tokens`` are dropped; counts of dropped rows are in
     ``skipped`` (e.g. ``skipped["train"]["invalid"]``).
 
-    ``instruction`` is appended to every ``prompt`` (e.g. " Answer with just the number.").
+    ``instruction`` is appended to every prompt (e.g. " Answer with just the number."): to a
+    string prompt, or to the content of a conversational one's last user message.
+    ``conversational=True`` hands string prompts to the reward functions as one user message
+    (TRL's conversational format), so that functions written for chat datasets (most of
+    ``trl.rewards``) receive their completions as messages; the rendered text is the same.
     ``"arithmetic:<max_digits>"`` sets the operands' digits of the built-in source (2 by default).
 
     ``field_map`` renames a dataset's columns to ``prompt``/``messages``/``answer`` before
@@ -53,6 +63,7 @@ class PromptDataModule(LightningDataModule):
         seed: int = 0,
         field_map: dict[str, str] | None = None,
         instruction: str | None = None,
+        conversational: bool = False,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -69,6 +80,7 @@ class PromptDataModule(LightningDataModule):
         self.seed = seed
         self.field_map = dict(field_map or {})
         self.instruction = instruction
+        self.conversational = conversational
         self.datasets: dict[str, PromptDataset] = {}
         self.skipped: dict[str, dict[str, int]] = {}
 
@@ -95,15 +107,25 @@ class PromptDataModule(LightningDataModule):
         return DataLoader(self.datasets["val"], **self._loader_args(sampler=None))
 
     def render_prompt(self, row: dict) -> str:
-        if row.get("prompt") is None:
-            messages = row["messages"]
-        else:
-            messages = [{"role": "user", "content": row["prompt"] + (self.instruction or "")}]
+        """The text to generate from: the row's chat, with ``instruction`` and ``system_prompt``."""
+        messages = self._with_instruction(_as_messages(_original_prompt(row)))
         if self.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return "\n\n".join(message["content"] for message in messages)
+
+    def _with_instruction(self, messages: list[dict]) -> list[dict]:
+        """A copy of ``messages`` with ``instruction`` appended to the last user message."""
+        if not self.instruction:
+            return messages
+        users = [i for i, message in enumerate(messages) if message["role"] == "user"]
+        if not users:
+            raise ValueError(f"instruction {self.instruction!r}: a prompt has no 'user' message to append it to")
+        last = messages[users[-1]]
+        messages = list(messages)
+        messages[users[-1]] = {**last, "content": last["content"] + self.instruction}
+        return messages
 
     def _build(self, split: str, source, hub_split: str, size: int, seed: int) -> "PromptDataset":
         name = str(source)
@@ -120,13 +142,13 @@ class PromptDataModule(LightningDataModule):
             rows = [_renamed(row, self.field_map) for row in rows]
         valid, invalid = validate_rows(rows, name, skip_invalid_rows=self.skip_invalid_rows)
         prompts = [self.render_prompt(row) for row in valid]
-        answers = [str(row["answer"]) for row in valid]
+        columns = [_columns(row, self.conversational) for row in valid]
         too_long = 0
         if self.max_prompt_tokens is not None:
             lengths = [len(ids) for ids in self.tokenizer(prompts, add_special_tokens=False)["input_ids"]]
             keep = [length <= self.max_prompt_tokens for length in lengths]
             prompts = list(itertools.compress(prompts, keep))
-            answers = list(itertools.compress(answers, keep))
+            columns = list(itertools.compress(columns, keep))
             too_long = keep.count(False)
         self.skipped[split] = {"invalid": invalid, "too_long": too_long}
         if invalid:
@@ -135,7 +157,7 @@ class PromptDataModule(LightningDataModule):
             rank_zero_warn(f"{name}: skipped {too_long} prompts longer than {self.max_prompt_tokens} tokens")
         if not prompts:
             raise ValueError(f"{name}: no usable rows for {split}")
-        return PromptDataset(prompts, answers)
+        return PromptDataset(prompts, columns)
 
     def _loader_args(self, sampler) -> dict:
         return {
@@ -152,20 +174,53 @@ def _renamed(row, field_map: dict[str, str]):
     return {field_map.get(key, key): value for key, value in row.items()}
 
 
+def _original_prompt(row: dict) -> str | list[dict]:
+    """A validated row's prompt as the dataset gives it: ``prompt`` (a string or messages),
+    else its ``messages``; what reward functions receive as ``prompts``."""
+    return row["messages"] if row.get("prompt") is None else row["prompt"]
+
+
+def _as_messages(prompt: str | list[dict]) -> list[dict]:
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+def _columns(row: dict, conversational: bool) -> dict:
+    """A validated row as a dataset item carries it: all its columns, ``prompt`` the
+    original prompt (a string prompt as one user message when ``conversational``), ``answer``
+    a string or None."""
+    answer, prompt = row.get("answer"), _original_prompt(row)
+    return {**row, "prompt": _as_messages(prompt) if conversational else prompt,
+            "answer": None if answer is None else str(answer)}
+
+
 class PromptDataset(Dataset):
-    def __init__(self, prompt_texts: list[str], answers: list[str]) -> None:
+    """Items ``{"prompt_text": str, "prompt": str | list[dict], "answer": str | None, ...}``:
+    the rendered text and the row's columns (``columns[i]``, see ``_columns``)."""
+
+    def __init__(self, prompt_texts: list[str], columns: list[dict]) -> None:
+        if len(prompt_texts) != len(columns):
+            raise ValueError(f"PromptDataset: {len(prompt_texts)} prompt texts for {len(columns)} rows")
         self.prompt_texts = prompt_texts
-        self.answers = answers
+        self.columns = columns
 
     def __len__(self) -> int:
         return len(self.prompt_texts)
 
-    def __getitem__(self, index: int) -> dict[str, str]:
-        return {"prompt_text": self.prompt_texts[index], "answer": self.answers[index]}
+    def __getitem__(self, index: int) -> dict:
+        return {**self.columns[index], "prompt_text": self.prompt_texts[index]}
 
 
-def collate_prompts(items: list[dict[str, str]]) -> dict[str, list[str]]:
-    return {"prompt_text": [item["prompt_text"] for item in items], "answer": [item["answer"] for item in items]}
+BATCH_KEYS = ("prompt_text", "prompt", "answer")
+
+
+def collate_prompts(items: list[dict]) -> dict[str, list]:
+    """A dict of lists over the union of the items' keys (``prompt_text``, ``prompt`` and
+    ``answer`` first and always present), None where an item lacks a key. Values stay as
+    they are (no tensors): prompts may be message lists, columns anything."""
+    keys = dict.fromkeys(BATCH_KEYS)
+    for item in items:
+        keys.update(dict.fromkeys(item))
+    return {key: [item.get(key) for item in items] for key in keys}
 
 
 class ResumableSampler(DistributedSampler):

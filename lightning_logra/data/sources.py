@@ -1,7 +1,10 @@
 """Prompt rows from files, the Hugging Face hub, or built-in generators.
 
-A row is a dict with ``prompt`` (non-empty str) or ``messages`` (non-empty list of
-``{"role", "content"}`` dicts), and ``answer`` (str or number). Other keys are kept.
+A row is a dict in one of TRL's prompt formats: ``prompt`` a non-empty string (standard)
+or a non-empty list of ``{"role", "content"}`` messages (conversational), or, as before,
+``messages`` such a list. ``answer`` (str or number) is optional: a mixed-task dataset has
+rows without a reference, and the reward functions decide what to do with them. Other
+keys are kept: they reach the reward functions as columns.
 """
 
 import json
@@ -119,18 +122,25 @@ def _row_problem(row) -> str | None:
         return row.error
     if not isinstance(row, dict):
         return f"expected an object, got {type(row).__name__}"
-    if "prompt" in row and row["prompt"] is not None:
-        if not isinstance(row["prompt"], str) or not row["prompt"].strip():
-            return "field 'prompt' must be a non-empty string"
-    elif "messages" in row and row["messages"] is not None:
-        problem = _messages_problem(row["messages"])
-        if problem:
-            return problem
-    else:
-        return "needs field 'prompt' or 'messages'"
-    answer = row.get("answer")
+    return _prompt_problem(row) or _answer_problem(row.get("answer"))
+
+
+def _prompt_problem(row: dict) -> str | None:
+    prompt = row.get("prompt")
+    if isinstance(prompt, list):
+        return _messages_problem(prompt, "prompt")
+    if prompt is not None:
+        if not isinstance(prompt, str) or not prompt.strip():
+            return "field 'prompt' must be a non-empty string or a list of messages"
+        return None
+    if row.get("messages") is not None:
+        return _messages_problem(row["messages"], "messages")
+    return "needs field 'prompt' or 'messages'"
+
+
+def _answer_problem(answer) -> str | None:
     if answer is None:
-        return "missing field 'answer'"
+        return None  # optional: the reward functions decide
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         return f"field 'answer' must be a string or number, got {type(answer).__name__}"
     if isinstance(answer, float) and not math.isfinite(answer):
@@ -138,12 +148,12 @@ def _row_problem(row) -> str | None:
     return None
 
 
-def _messages_problem(messages) -> str | None:
+def _messages_problem(messages, field: str) -> str | None:
     if not isinstance(messages, list) or not messages:
-        return "field 'messages' must be a non-empty list"
+        return f"field '{field}' must be a non-empty list"
     for position, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            return f"field 'messages[{position}]' needs a string 'role'"
+            return f"field '{field}[{position}]' needs a string 'role'"
         if not isinstance(message.get("content"), str):
-            return f"field 'messages[{position}]' needs a string 'content'"
+            return f"field '{field}[{position}]' needs a string 'content'"
     return None

@@ -14,6 +14,7 @@ import importlib.util
 import os
 import shutil
 import uuid
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,3 +219,17 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def with_lora(policy: torch.nn.Module, lora) -> torch.nn.Module:
+    """The policy wrapped in peft LoRA adapters (``lora`` has ``rank``, ``alpha``, ``dropout``
+    and ``target_modules``, as ``GRPOModule``'s ``LoRAConfig``): one place, so that training
+    and ``export_checkpoint`` build the same module tree."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=list(lora.target_modules))
+    with warnings.catch_warnings():
+        # peft asks transformers' deprecated `is_gradient_checkpointing`: not the user's to act on
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(policy, config)

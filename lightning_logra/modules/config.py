@@ -10,34 +10,60 @@ from lightning_logra.config import DEFAULT_TARGET_MODULES
 
 @dataclass
 class LossConfig:
-    """``grpo``: group-normalised advantages, PPO-clipped ratio. ``dr_grpo``: no std
-    normalisation, constant length normaliser. ``reinforce_baseline``: the paper's loss,
-    running-mean baseline, failure reward, truncated importance sampling, no PPO ratio."""
+    """``grpo``: group-normalised advantages, PPO-clipped token ratio. ``dr_grpo``: no std
+    normalisation, constant length normaliser. ``gspo``: group-normalised advantages,
+    PPO-clipped sequence-level ratio (set ``epsilon_low``/``epsilon_high`` to ~3e-4/4e-4).
+    ``reinforce_baseline``: the paper's loss, running-mean baseline, failure reward,
+    truncated importance sampling, no PPO ratio.
 
-    type: Literal["grpo", "dr_grpo", "reinforce_baseline"] = "grpo"
+    ``tis``: truncated importance sampling of the rollout-engine/trainer ratio (capped at
+    ``tis_cap``) in the clipped losses; ``None`` turns it on exactly when the rollout engine
+    is vLLM. ``reinforce_baseline`` always uses it.
+    Overlong handling (DAPO): ``mask_truncated`` leaves completions that hit
+    ``rollout.max_new_tokens`` out of the loss; ``overlong_buffer > 0`` adds a penalty that
+    grows linearly from 0 to ``-overlong_penalty`` over the last ``overlong_buffer`` tokens.
+    """
+
+    type: Literal["grpo", "dr_grpo", "gspo", "reinforce_baseline"] = "grpo"
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     aggregation: Literal["token", "sequence"] = "token"
     kl_coef: float = 0.0  # > 0 builds a frozen reference model for a k3 KL penalty
+    tis: bool | None = None
     tis_cap: float = 2.0
     baseline_weight: float = 0.1
     failure_reward: float = -0.01
+    mask_truncated: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("epsilon_low", "epsilon_high", "tis_cap", "baseline_weight"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"loss.{name} = {getattr(self, name)!r} must be > 0")
-        if self.kl_coef < 0:
-            raise ValueError(f"loss.kl_coef = {self.kl_coef!r} must be >= 0")
+        for name in ("kl_coef", "overlong_buffer", "overlong_penalty"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"loss.{name} = {getattr(self, name)!r} must be >= 0")
 
 
 @dataclass
 class RolloutConfig:
+    """Sampling settings. Rollout log-probs are those of the temperature-scaled, untruncated
+    distribution, the one the trainer scores, whatever ``top_p``/``top_k`` sample from.
+
+    ``dynamic_sampling`` (DAPO): groups whose rewards are all equal carry no signal; they are
+    dropped and replaced by groups of further prompts, drawn from the training set, over at
+    most ``max_sampling_rounds`` extra generation rounds (then the batch is filled up with
+    dropped groups, and counted)."""
+
     engine: Literal["hf", "vllm"] = "hf"
     num_generations: int = 8
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
     val_temperature: float = 0.7
     val_top_p: float = 0.7
     val_generations: int = 4  # n samples per validation prompt: pass@1 and pass@n
@@ -47,6 +73,9 @@ class RolloutConfig:
         for name in ("num_generations", "max_new_tokens", "val_generations"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"rollout.{name} = {getattr(self, name)!r} must be an integer >= 1")
+        for name in ("top_k", "max_sampling_rounds"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
+                raise ValueError(f"rollout.{name} = {getattr(self, name)!r} must be an integer >= 0")
         for name in ("temperature", "val_temperature"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"rollout.{name} = {getattr(self, name)!r} must be > 0")

@@ -1,7 +1,9 @@
 """GRPOModule: RL post-training of a causal LM on verifiable tasks, one prompt batch a step.
 
-    prompts -> rollouts (no grad) -> rewards -> advantages -> trainer log-probs (no grad)
-    -> micro-batched loss with manual_backward -> one optimizer step -> weight sync
+    prompts -> rollouts (no grad) -> rewards (-> more prompts: dynamic sampling) -> advantages
+    -> "old" log-probs (no grad, when there is more than one update)
+    -> per update: micro-batched loss with manual_backward -> optimizer step
+    -> weight sync
 
 It knows nothing about LoGRA: under ``strategy="logra_fsdp"`` the optimizer step becomes a
 LoGRA update; under any other strategy it is AdamW (dense, or LoRA adapters).
@@ -11,14 +13,14 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from torchmetrics import MeanMetric
 
+from lightning_logra.modules.collectives import any_rank, gather_ranks, global_counts
+from lightning_logra.modules.completions import completion_table, log_completion_table
 from lightning_logra.modules.config import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
 from lightning_logra.modules.logprobs import DEFAULT_CHUNK_SIZE, sequence_logprobs
 from lightning_logra.modules.losses import (
@@ -26,27 +28,44 @@ from lightning_logra.modules.losses import (
     dr_grpo_loss,
     group_advantages,
     grpo_loss,
+    gspo_loss,
     reinforce_baseline_loss,
 )
-from lightning_logra.models import enable_activation_checkpointing, load_policy
+from lightning_logra.modules.metrics import PassTotals, PhaseClock, step_metrics
+from lightning_logra.modules.sampling import (
+    ScoredRollouts,
+    draw_prompts,
+    fill_informative_groups,
+    overlong_penalty,
+    sampling_seed,
+    score_rollouts,
+)
+from lightning_logra.models import enable_activation_checkpointing, load_policy, with_lora
 from lightning_logra.reliability import memory_phase
-from lightning_logra.rewards.runner import RewardRunner
+from lightning_logra.rewards.runner import RewardRunner, RewardScores
 
 DEFAULT_REWARD = "lightning_logra.rewards.math:math_reward"
 # What shrinks each phase's memory, for the error an out-of-memory in it raises.
 ROLLOUT_HINT = ("rollout.max_new_tokens, rollout.num_generations, prompts per step (data batch_size), "
                 "rollout.gpu_memory_utilization (vLLM)")
 BACKWARD_HINT = "micro_batch_size, activation_checkpointing=true, logprob_chunk_size"
+MAX_EMPTY_UPDATES = 8  # updates in a row with no token to train on before the run stops
 
 
 class GRPOModule(L.LightningModule):
     """GRPO / Dr. GRPO / REINFORCE-with-baseline on any Hugging Face causal LM.
 
     ``model`` is a hub id, a local folder, or the offline built-in
-    ``"smollm2-135m-instruct"``. Batches are ``{"prompt_text": [...], "answer": [...]}``
-    (see ``PromptDataModule``). ``micro_batch_size`` rollouts go through each
+    ``"smollm2-135m-instruct"``. Batches are ``{"prompt_text": [...], "prompt": [...],
+    "answer": [...], <other columns>: [...]}`` (see ``PromptDataModule``); reward functions
+    follow TRL's ``fn(completions, **columns)``. ``micro_batch_size`` rollouts go through each
     forward/backward; log-probs are computed in chunks of ``logprob_chunk_size`` positions,
     so full-vocabulary logits of a whole micro-batch never exist.
+
+    Each rollout batch trains ``num_iterations`` passes of ``mini_batches`` optimizer steps
+    (whole prompt groups per mini-batch; ``max_steps`` counts optimizer steps). Every
+    ``log_completions_every`` training steps (0: never) ``log_completions_count`` samples go
+    to the loggers as a table.
     """
 
     def __init__(
@@ -60,6 +79,10 @@ class GRPOModule(L.LightningModule):
         reward_timeout_s: float = 10.0,
         lora: LoRAConfig | None = None,
         micro_batch_size: int = 4,
+        num_iterations: int = 1,
+        mini_batches: int = 1,
+        log_completions_every: int = 0,
+        log_completions_count: int = 8,
         activation_checkpointing: bool = True,
         logprob_chunk_size: int = DEFAULT_CHUNK_SIZE,
         cache_dir: str | None = None,
@@ -70,11 +93,23 @@ class GRPOModule(L.LightningModule):
         self.loss_config = loss or LossConfig()
         self.rollout_config = rollout or RolloutConfig()
         self.optimizer_config = optimizer or OptimizerConfig()
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size = {micro_batch_size} must be >= 1")
+        for name, value, least in (("micro_batch_size", micro_batch_size, 1), ("num_iterations", num_iterations, 1),
+                                   ("mini_batches", mini_batches, 1), ("log_completions_every", log_completions_every, 0),
+                                   ("log_completions_count", log_completions_count, 1)):
+            if not (isinstance(value, int) and value >= least):
+                raise ValueError(f"{name} = {value!r} must be an integer >= {least}")
+        if self.loss_config.overlong_buffer > self.rollout_config.max_new_tokens:
+            raise ValueError(f"loss.overlong_buffer = {self.loss_config.overlong_buffer} must be <= "
+                             f"rollout.max_new_tokens = {self.rollout_config.max_new_tokens}")
+        if self.loss_config.type != "reinforce_baseline" and self.rollout_config.num_generations < 2:
+            raise ValueError(f"loss.type = {self.loss_config.type!r} needs rollout.num_generations >= 2 (group advantages)")
         if lora is not None and self.rollout_config.engine == "vllm":
             raise ValueError("rollout.engine='vllm' with lora is not supported: vLLM would need merged weights")
         self.micro_batch_size = micro_batch_size
+        self.num_iterations = num_iterations
+        self.mini_batches = mini_batches
+        self.log_completions_every = log_completions_every
+        self.log_completions_count = log_completions_count
         self.logprob_chunk_size = logprob_chunk_size
         self.seed = seed
         self.automatic_optimization = False
@@ -84,16 +119,7 @@ class GRPOModule(L.LightningModule):
         if activation_checkpointing:
             enable_activation_checkpointing(self.policy)
         if lora is not None:
-            from peft import LoraConfig as PeftLoraConfig
-            from peft import get_peft_model
-
-            with warnings.catch_warnings():
-                # peft asks transformers' deprecated `is_gradient_checkpointing`: not the user's to act on
-                warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-                self.policy = get_peft_model(
-                    self.policy,
-                    PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)),
-                )
+            self.policy = with_lora(self.policy, lora)
         self.reference = None
         if self.loss_config.kl_coef > 0:
             self.reference, _ = load_policy(model, cache_dir=cache_dir)
@@ -105,6 +131,7 @@ class GRPOModule(L.LightningModule):
         self.val_pass_at_n = MeanMetric()
         self._engine = None
         self._last: dict[str, torch.Tensor] = {}
+        self._empty_updates_in_a_row = 0
 
     # LoGRA hooks (read by the logra_fsdp strategy once per step; harmless elsewhere) -------
     def logra_model(self) -> torch.nn.Module:
@@ -126,90 +153,191 @@ class GRPOModule(L.LightningModule):
 
     # Training ---------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
-        config, started = self.rollout_config, time.perf_counter()
-        phases = PhaseClock()
+        started, phases = time.perf_counter(), PhaseClock()
+        first_step = self.global_step
         # Sampling randomness is derived from (seed, step, rank), not carried over from
         # earlier steps: a resumed run samples exactly what the uninterrupted one did.
         torch.manual_seed(sampling_seed(self.seed, self.global_step, self.global_rank))
-        with memory_phase("rollout", ROLLOUT_HINT):
-            rollouts = self.engine.generate(batch["prompt_text"], num_generations=config.num_generations)
-        phases.lap("generation")
-        answers = [answer for answer in batch["answer"] for _ in range(config.num_generations)]
-        scores, failures = self.reward_runner(rollouts.completion_text, answers)
-        rewards = torch.tensor(scores, dtype=torch.float32, device=self.device)
-        advantages = self._advantages(rewards)
+        scored, sampling = self._sample(batch, phases)
+        advantages = self._advantages(scored.rewards)
         phases.lap("rewards")
 
+        rollouts = scored.rollouts
         input_ids, attention_mask = rollouts.input_ids, rollouts.attention_mask
         mask = rollouts.completion_mask[:, 1:].bool()  # log-prob t scores token t + 1
+        if self.loss_config.mask_truncated:
+            mask = mask & rollouts.ended_with_eos[:, None]
         rollout_logprobs = rollouts.rollout_logprobs[:, 1:]
-        reference_logprobs = None
+        reference_logprobs = old_logprobs = None
         if self.reference is not None:
             with torch.no_grad(), memory_phase("backward", BACKWARD_HINT):
                 reference_logprobs = self._logprobs(self.reference, input_ids, attention_mask)
             phases.lap("reference")
+        if self.num_iterations * self.mini_batches > 1:
+            # The PPO ratio's denominator: the weights that sampled, before the first update.
+            with torch.no_grad(), memory_phase("backward", BACKWARD_HINT):
+                old_logprobs = self._logprobs(self.policy, input_ids, attention_mask)
+            phases.lap("old_logprobs")
 
-        rows, tokens = self._global_counts(mask)
+        passes = PassTotals.zeros(self.device)
+        for _ in range(self.num_iterations):
+            for rows in self._mini_batch_rows(input_ids.shape[0]):
+                trained = self._update(rows, rollouts, mask, rollout_logprobs, advantages, old_logprobs, reference_logprobs,
+                                       passes, phases)
+                if old_logprobs is None:  # one update: its log-probs are those of the weights that sampled
+                    old_logprobs = trained
+        self.engine.sync_weights(self.policy)
+        phases.lap("weight_sync")
+        if old_logprobs is None:  # the one update had no token to train on: no gap to measure
+            old_logprobs = rollout_logprobs
+        metrics = step_metrics(scored, mask, rollout_logprobs, old_logprobs, passes,
+                               num_generations=self.rollout_config.num_generations, phase_seconds=phases.seconds,
+                               started=started, sampling=sampling)
+        for key, value in metrics.items():
+            self.log(key, value, on_step=True, prog_bar=key == "reward/mean", batch_size=1)
+        self._log_completions(scored, first_step)
+
+    def _update(self, rows, rollouts, mask, rollout_logprobs, advantages, old_logprobs, reference_logprobs, passes, phases):
+        """One optimizer step on the rollout rows ``rows``: micro-batched forward/backward,
+        then ``optimizer.step()`` (under logra_fsdp the whole LoGRA update). Returns the
+        detached trainer log-probs of ``rows``, or None when no rank has a token to train on
+        there (``loss.mask_truncated`` and every completion cut off): then nothing runs."""
+        input_ids, attention_mask = rollouts.input_ids, rollouts.attention_mask
+        row_count, tokens = global_counts(mask[rows])
+        if tokens == 0:
+            self._count_empty_update(passes)
+            return None
         world = self.trainer.world_size
         optimizer = self.optimizers()
         optimizer.zero_grad()
-        entropy_sum = torch.zeros((), device=self.device)
-        stats_sum: dict[str, torch.Tensor] = {}
-        trainer_parts = []
-        for start in range(0, input_ids.shape[0], self.micro_batch_size):
-            part = slice(start, start + self.micro_batch_size)
+        parts = []
+        for start in range(rows.start, rows.stop, self.micro_batch_size):
+            part = slice(start, min(start + self.micro_batch_size, rows.stop))
             with memory_phase("backward", BACKWARD_HINT):
                 logprobs, entropy = self._logprobs(self.policy, input_ids[part], attention_mask[part], entropy=True)
-            # One optimisation pass per rollout batch: the weights that sampled are the ones
-            # computing now, so the "old" log-probs of the PPO ratio are these, detached.
-            trainer_parts.append(logprobs.detach())
-            loss, stats = self._loss(
-                logprobs, trainer_parts[-1], rollout_logprobs[part], advantages[part], mask[part],
-                None if reference_logprobs is None else reference_logprobs[part],
-            )
-            # Each part's loss is normalised over its own tokens (rows); reweight so that the
-            # sum over parts and ranks is the batch-wide mean (data parallelism averages).
-            weight = mask[part].sum() / tokens if self._per_token_normaliser else (logprobs.shape[0] / rows)
+            parts.append(logprobs.detach())
+            if not mask[part].any():
+                # Every completion here is masked, but other micro-batches (ranks) train: a zero
+                # loss keeps this backward, and FSDP2's collectives, in step with theirs.
+                loss, stats, weight = torch.where(mask[part], logprobs, 0.0).sum(), {}, 0.0
+            else:
+                old = parts[-1] if old_logprobs is None else old_logprobs[part]
+                loss, stats = self._loss(logprobs, old, rollout_logprobs[part], advantages[part], mask[part],
+                                         None if reference_logprobs is None else reference_logprobs[part])
+                # Each part's loss is normalised over its own tokens (rows); reweight so that the sum
+                # over parts and ranks is the update-wide mean (data parallelism averages).
+                weight = mask[part].sum() / tokens if self._per_token_normaliser else (logprobs.shape[0] / row_count)
             with memory_phase("backward", BACKWARD_HINT):
                 self.manual_backward(loss * weight * world)
-            entropy_sum += (entropy.detach() * mask[part]).sum()
-            for key, value in stats.items():
-                stats_sum[key] = stats_sum.get(key, 0) + value * mask[part].sum()
-        trainer_logprobs = torch.cat(trainer_parts)
+            passes.add(entropy, mask[part], stats)
+        trained = torch.cat(parts)
         phases.lap("forward_backward")
-        self._remember(rollouts, mask, rollout_logprobs, trainer_logprobs)  # read by the LoGRA strategy in step()
+        # Read by the LoGRA strategy in step(): the probe rows and the rollout/trainer pairs at
+        # the weights that sampled.
+        self._remember(rollouts, rows, mask, rollout_logprobs, trained if old_logprobs is None else old_logprobs[rows])
         optimizer.step()  # under logra_fsdp: the whole LoGRA update, split further in perf/logra_*
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
+        passes.updates += 1
+        self._empty_updates_in_a_row = 0
         phases.lap("optimizer_step")
-        self.engine.sync_weights(self.policy)
-        phases.lap("weight_sync")
-        self._log_training(rewards, failures, rollouts, mask, trainer_logprobs, rollout_logprobs, entropy_sum, stats_sum, phases.seconds, started)
+        return trained
+
+    def _count_empty_update(self, passes: PassTotals) -> None:
+        """An update with nothing to train on is skipped and counted; a run of them means the
+        settings leave nothing to learn from, and waiting longer would never reach max_steps."""
+        passes.skipped_updates += 1
+        self._empty_updates_in_a_row += 1
+        if self._empty_updates_in_a_row >= MAX_EMPTY_UPDATES:
+            raise RuntimeError(
+                f"{self._empty_updates_in_a_row} updates in a row had no completion token to train on: with "
+                "loss.mask_truncated every completion hit rollout.max_new_tokens "
+                f"({self.rollout_config.max_new_tokens}); raise it, or turn mask_truncated off")
+
+    def _mini_batch_rows(self, rows: int) -> list[slice]:
+        """Consecutive row ranges of whole prompt groups, one per optimizer step."""
+        prompts = rows // self.rollout_config.num_generations
+        if prompts % self.mini_batches:
+            raise ValueError(f"mini_batches = {self.mini_batches} must divide the {prompts} prompts of a step on each "
+                             "rank (the data module's batch_size)")
+        size = rows // self.mini_batches
+        return [slice(start, start + size) for start in range(0, rows, size)]
+
+    def _sample(self, batch: dict[str, list], phases: "PhaseClock"):
+        """The step's scored rollouts; with ``rollout.dynamic_sampling`` groups of equal
+        rewards are replaced by groups of further prompts (see ``fill_informative_groups``)."""
+        first = self._generate_and_score(batch, phases)
+        config = self.rollout_config
+        if not config.dynamic_sampling:
+            return first, None
+        prompts = len(batch["prompt_text"])
+        return fill_informative_groups(
+            first, lambda round_: self._generate_and_score(self._more_prompts(round_, prompts), phases),
+            group_size=config.num_generations, max_rounds=config.max_sampling_rounds,
+            pad_token_id=self.tokenizer.pad_token_id, any_rank=lambda flag: any_rank(flag, self.device),
+        )
+
+    def _generate_and_score(self, batch: dict[str, list], phases: "PhaseClock") -> ScoredRollouts:
+        config = self.rollout_config
+        with memory_phase("rollout", ROLLOUT_HINT):
+            rollouts = self.engine.generate(batch["prompt_text"], num_generations=config.num_generations)
+        phases.lap("generation")
+        scores, columns = self._score(rollouts, batch, config.num_generations)
+        rewards = torch.tensor(scores.total, dtype=torch.float32, device=self.device)
+        loss = self.loss_config
+        if loss.overlong_buffer:
+            lengths = rollouts.completion_mask.sum(dim=1).to(rewards.device)
+            rewards = rewards + overlong_penalty(lengths, config.max_new_tokens, loss.overlong_buffer, loss.overlong_penalty)
+        phases.lap("rewards")
+        return ScoredRollouts(rollouts, columns, scores, rewards)
+
+    def _score(self, rollouts, batch: dict[str, list], n: int) -> tuple[RewardScores, dict[str, list]]:
+        return score_rollouts(self.reward_runner, rollouts, batch, n)
+
+    def _more_prompts(self, round_: int, count: int) -> dict[str, list]:
+        """Further prompts for dynamic sampling: a resumed run draws the same ones."""
+        seed = sampling_seed(self.seed + 7_727 * round_, self.global_step, self.global_rank)
+        return draw_prompts(self.trainer.train_dataloader, count, seed)
+
+    def _log_completions(self, scored: ScoredRollouts, first_step: int) -> None:
+        every = self.log_completions_every
+        training_step = first_step // (self.num_iterations * self.mini_batches)
+        if every and training_step % every == 0 and self.global_rank == 0 and self.loggers:
+            table = completion_table(scored, step=first_step, count=self.log_completions_count)
+            log_completion_table(self.loggers, table, step=first_step)
 
     @property
     def _per_token_normaliser(self) -> bool:
-        return self.loss_config.type != "dr_grpo" and not (
+        return self.loss_config.type not in ("dr_grpo", "gspo") and not (
             self.loss_config.type == "grpo" and self.loss_config.aggregation == "sequence"
         )
+
+    @property
+    def _tis(self) -> bool:
+        """Truncated importance sampling in the clipped losses: as set, else with vLLM only."""
+        return self.loss_config.tis if self.loss_config.tis is not None else self.rollout_config.engine == "vllm"
 
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         loss = self.loss_config
         if loss.type == "reinforce_baseline":
             # Every rank updates the running baseline with the same (gathered) rewards and
             # keeps the advantages of its own rows.
-            everyone = self.baseline.advantages(self._gather(rewards))
+            everyone = self.baseline.advantages(gather_ranks(rewards))
             return everyone.view(-1, rewards.numel())[self.global_rank if everyone.numel() > rewards.numel() else 0]
-        return group_advantages(rewards, self.rollout_config.num_generations, normalize_std=loss.type == "grpo")
+        return group_advantages(rewards, self.rollout_config.num_generations, normalize_std=loss.type != "dr_grpo")
 
-    def _loss(self, logprobs, trainer_logprobs, rollout_logprobs, advantages, mask, reference_logprobs):
+    def _loss(self, logprobs, old_logprobs, rollout_logprobs, advantages, mask, reference_logprobs):
         loss = self.loss_config
         if loss.type == "reinforce_baseline":
             return reinforce_baseline_loss(logprobs, rollout_logprobs, advantages, mask, tis_cap=loss.tis_cap)
-        common = dict(epsilon_low=loss.epsilon_low, epsilon_high=loss.epsilon_high, ref_logprobs=reference_logprobs, kl_coef=loss.kl_coef)
+        common = dict(epsilon_low=loss.epsilon_low, epsilon_high=loss.epsilon_high, ref_logprobs=reference_logprobs,
+                      kl_coef=loss.kl_coef, rollout_logprobs=rollout_logprobs if self._tis else None, tis_cap=loss.tis_cap)
+        if loss.type == "gspo":
+            return gspo_loss(logprobs, old_logprobs, advantages, mask, **common)
         if loss.type == "dr_grpo":
-            return dr_grpo_loss(logprobs, trainer_logprobs, advantages, mask, max_completion_length=self.rollout_config.max_new_tokens, **common)
-        return grpo_loss(logprobs, trainer_logprobs, advantages, mask, aggregation=loss.aggregation, **common)
+            return dr_grpo_loss(logprobs, old_logprobs, advantages, mask, max_completion_length=self.rollout_config.max_new_tokens, **common)
+        return grpo_loss(logprobs, old_logprobs, advantages, mask, aggregation=loss.aggregation, **common)
 
     def _logprobs(self, model, input_ids, attention_mask, entropy: bool = False):
         """One call with grad (a micro-batch); micro-batched without (a whole rollout batch)."""
@@ -223,17 +351,18 @@ class GRPOModule(L.LightningModule):
         ]
         return torch.cat(parts)
 
-    def _remember(self, rollouts, mask, rollout_logprobs, trainer_logprobs) -> None:
-        logits_mask = torch.zeros_like(rollouts.attention_mask, dtype=torch.bool)
-        logits_mask[:, :-1] = mask
+    def _remember(self, rollouts, rows: slice, mask, rollout_logprobs, trainer_logprobs) -> None:
+        attention_mask = rollouts.attention_mask[rows]
+        logits_mask = torch.zeros_like(attention_mask, dtype=torch.bool)
+        logits_mask[:, :-1] = mask[rows]
         self._last = {
-            "input_ids": rollouts.input_ids,
-            "attention_mask": rollouts.attention_mask,
+            "input_ids": rollouts.input_ids[rows],
+            "attention_mask": attention_mask,
             "logits_mask": logits_mask,
-            "position_ids": (rollouts.attention_mask.long().cumsum(-1) - 1).clamp(min=0),
-            "rollout_logprobs": rollout_logprobs,
+            "position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0),
+            "rollout_logprobs": rollout_logprobs[rows],
             "trainer_logprobs": trainer_logprobs,
-            "eos_mask": mask & rollouts.ended_with_eos[:, None],
+            "eos_mask": mask[rows] & rollouts.ended_with_eos[rows, None],
         }
 
     # Validation: pass@1 and pass@n over n samples per prompt ----------------------------------
@@ -242,9 +371,8 @@ class GRPOModule(L.LightningModule):
         n = config.val_generations
         torch.manual_seed(sampling_seed(self.seed + 1, batch_idx, self.global_rank))
         rollouts = self.engine.generate(batch["prompt_text"], num_generations=n, temperature=config.val_temperature, top_p=config.val_top_p)
-        answers = [answer for answer in batch["answer"] for _ in range(n)]
-        scores, _ = self.reward_runner(rollouts.completion_text, answers)
-        correct = (torch.tensor(scores, device=self.device) > 0).float().view(-1, n)
+        scores, _ = self._score(rollouts, batch, n)
+        correct = (torch.tensor(scores.total, device=self.device) > 0).float().view(-1, n)
         self.val_pass_at_1.update(correct.mean(dim=1))
         self.val_pass_at_n.update(correct.amax(dim=1))  # unbiased pass@k with k = n
         self.log("val/pass_at_1", self.val_pass_at_1, on_epoch=True, prog_bar=True, batch_size=correct.shape[0])
@@ -276,7 +404,7 @@ class GRPOModule(L.LightningModule):
 
                 self._engine = HFRolloutEngine(
                     self.policy, self.tokenizer, max_new_tokens=config.max_new_tokens,
-                    temperature=config.temperature, top_p=config.top_p,
+                    temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                 )
         return self._engine
 
@@ -290,75 +418,6 @@ class GRPOModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "grpo_baseline" in checkpoint:
             self.baseline.load_state_dict(checkpoint["grpo_baseline"])
-
-    # Helpers ---------------------------------------------------------------------------------
-    def _gather(self, values: torch.Tensor) -> torch.Tensor:
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return values
-        gathered = torch.empty(values.numel() * dist.get_world_size(), dtype=values.dtype, device=values.device)
-        dist.all_gather_single(gathered, values.contiguous())
-        return gathered
-
-    def _global_counts(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        counts = torch.stack([torch.tensor(float(mask.shape[0]), device=mask.device), mask.sum().float()])
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(counts)
-        return counts[0], counts[1]
-
-    def _log_training(self, rewards, failures, rollouts, mask, trainer_logprobs, rollout_logprobs, entropy_sum, stats_sum, phase_seconds, started):
-        n = self.rollout_config.num_generations
-        lengths = rollouts.completion_mask.sum(dim=1).float()
-        groups = rewards.view(-1, n)
-        tokens = mask.sum()
-        gap = torch.where(mask, rollout_logprobs - trainer_logprobs, 0.0)
-        local = torch.stack([
-            rewards.sum(), rewards.square().sum(), torch.tensor(float(rewards.numel()), device=self.device),
-            (groups.std(dim=1, unbiased=False) == 0).float().sum(), torch.tensor(float(groups.shape[0]), device=self.device),
-            lengths.sum(), (~rollouts.ended_with_eos).float().sum(), tokens.float(), entropy_sum,
-            gap.sum(), gap.abs().sum(), torch.tensor(float(failures), device=self.device),
-            *[stats_sum[key] for key in sorted(stats_sum)],
-        ]).to(torch.float64)
-        longest = lengths.max().clone()
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(local)
-            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-        reward_sum, reward_square, count, zero_std, group_count, length_sum, truncated, token_count, entropy, gap_sum, gap_abs, failed, *extra = local.tolist()
-        reward_mean = reward_sum / count
-        metrics = {
-            "reward/mean": reward_mean,
-            "reward/std": math.sqrt(max(reward_square / count - reward_mean**2, 0.0)),
-            "reward/zero_std_groups": zero_std / group_count,
-            "reward/failures": failed,
-            "completion/length_mean": length_sum / count,
-            "completion/length_max": float(longest),
-            "completion/clipped_fraction": truncated / count,
-            "policy/entropy": entropy / token_count,
-            "policy/rollout_trainer_logprob_gap": gap_sum / token_count,
-            "policy/rollout_trainer_logprob_gap_abs": gap_abs / token_count,
-            "perf/tokens_per_second": token_count / max(time.perf_counter() - started, 1e-9),
-            **{f"perf/{phase}_s": seconds for phase, seconds in phase_seconds.items()},
-        }
-        for key, value in zip(sorted(stats_sum), extra):
-            metrics[f"policy/{key}"] = value / token_count
-        for key, value in metrics.items():
-            self.log(key, value, on_step=True, prog_bar=key == "reward/mean", batch_size=1)
-
-
-class PhaseClock:
-    """Wall-clock seconds of the consecutive phases of one step (this rank's)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.seconds[phase] = now - self._last
-        self._last = now
-
-
-def sampling_seed(seed: int, step: int, rank: int) -> int:
-    return (seed * 1_000_003 + step * 7_919 + rank * 104_729) % 2**63
 
 
 def lr_factor(step: int, config: OptimizerConfig) -> float:

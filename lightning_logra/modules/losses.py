@@ -88,6 +88,8 @@ def grpo_loss(
     aggregation: str = "token",
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    rollout_logprobs: torch.Tensor | None = None,
+    tis_cap: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clipped GRPO loss ``-min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``.
 
@@ -95,12 +97,15 @@ def grpo_loss(
     ``aggregation="sequence"``: mean over sequences of each sequence's token mean (rows
     without completion tokens are left out). With ``ref_logprobs`` and ``kl_coef > 0`` the
     k3 estimate ``exp(ref - lp) - (ref - lp) - 1`` of KL(policy || reference) is added per token.
+    With ``rollout_logprobs`` each token's loss is multiplied by the truncated importance
+    weight ``min(exp(old_logprobs - rollout_logprobs), tis_cap)`` (see ``tis_weights``).
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-    mask = _check_inputs(logprobs, advantages, mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+    mask = _check_inputs(logprobs, advantages, mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                         rollout_logprobs=rollout_logprobs)
     per_token, stats = _clipped_token_loss(
-        logprobs, old_logprobs, advantages, mask, epsilon_low, epsilon_high, ref_logprobs, kl_coef
+        logprobs, old_logprobs, advantages, mask, epsilon_low, epsilon_high, ref_logprobs, kl_coef, rollout_logprobs, tis_cap
     )
     if aggregation == "token":
         loss = per_token.sum() / mask.sum()
@@ -122,16 +127,20 @@ def dr_grpo_loss(
     epsilon_high: float = 0.2,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    rollout_logprobs: torch.Tensor | None = None,
+    tis_cap: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Dr. GRPO: the GRPO per-token loss summed and divided by the constant
     ``num_sequences * max_completion_length``, so long answers are not down-weighted.
-    Pair it with ``group_advantages(..., normalize_std=False)``.
+    Pair it with ``group_advantages(..., normalize_std=False)``. ``rollout_logprobs`` and
+    ``tis_cap`` as in ``grpo_loss``.
     """
     if max_completion_length < 1:
         raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
-    mask = _check_inputs(logprobs, advantages, mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+    mask = _check_inputs(logprobs, advantages, mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                         rollout_logprobs=rollout_logprobs)
     per_token, stats = _clipped_token_loss(
-        logprobs, old_logprobs, advantages, mask, epsilon_low, epsilon_high, ref_logprobs, kl_coef
+        logprobs, old_logprobs, advantages, mask, epsilon_low, epsilon_high, ref_logprobs, kl_coef, rollout_logprobs, tis_cap
     )
     return per_token.sum() / (logprobs.shape[0] * max_completion_length), stats
 
@@ -150,21 +159,82 @@ def reinforce_baseline_loss(
     rollout engine sampling from slightly different numbers than the trainer computes;
     ``loss = -sum(w * A * logprobs * mask) / sum(mask)``.
     """
+    mask = _check_inputs(logprobs, advantages, mask, old_logprobs=rollout_logprobs)
+    weight, stats = tis_weights(logprobs.detach(), rollout_logprobs, mask, tis_cap)
+    per_token = torch.where(mask, -weight * _per_token(advantages) * logprobs, 0.0)
+    return per_token.sum() / mask.sum(), stats
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    epsilon_low: float = 3e-4,
+    epsilon_high: float = 4e-4,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    rollout_logprobs: torch.Tensor | None = None,
+    tis_cap: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO: the PPO clip on a sequence-level ratio ``s = exp(mean_t(logprobs - old_logprobs))``
+    (the geometric mean of the token ratios, so length does not inflate it), loss
+    ``-min(s * A, clip(s, 1 - eps_low, 1 + eps_high) * A)`` averaged over sequences.
+
+    Sequence ratios stay close to 1, hence clip ranges of ``3e-4``/``4e-4`` rather than
+    GRPO's ``0.2``. ``advantages`` is one value per sequence. With ``rollout_logprobs`` the
+    importance weight is sequence-level too: ``min(exp(mean_t(old - rollout)), tis_cap)``.
+    The k3 KL penalty (``ref_logprobs``, ``kl_coef``) is each sequence's token mean.
+    """
+    if advantages.dim() != 1:
+        raise ValueError(f"gspo needs one advantage per sequence, got shape {tuple(advantages.shape)}")
+    mask = _check_inputs(logprobs, advantages, mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                         rollout_logprobs=rollout_logprobs)
+    tokens_per_row = mask.sum(dim=1)
+    rows = tokens_per_row > 0
+
+    def row_mean(values: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask, values, 0.0).sum(dim=1)[rows] / tokens_per_row[rows]
+
+    ratio = row_mean(logprobs - old_logprobs).exp()
+    advantages = advantages[rows]
+    per_row = -torch.minimum(ratio * advantages, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * advantages)
+    clipped = ((ratio < 1 - epsilon_low) & (advantages < 0)) | ((ratio > 1 + epsilon_high) & (advantages > 0))
+    stats = {"clip_fraction": clipped.float().mean()}
+    if rollout_logprobs is not None:
+        sequence_weight = row_mean(old_logprobs - rollout_logprobs).exp()
+        per_row = per_row * sequence_weight.clamp(max=tis_cap)
+        stats["tis_weight_mean"] = sequence_weight.clamp(max=tis_cap).mean()
+        stats["tis_capped_fraction"] = (sequence_weight > tis_cap).float().mean()
+    if ref_logprobs is not None:
+        ref_minus_policy = ref_logprobs - logprobs
+        kl = row_mean(ref_minus_policy.exp() - ref_minus_policy - 1)
+        per_row = per_row + kl_coef * kl
+        stats["kl"] = kl.mean()
+    return per_row.mean(), {key: value.detach() for key, value in stats.items()}
+
+
+def tis_weights(
+    trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, tis_cap: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated importance weights ``min(exp(trainer - rollout), tis_cap)`` per token (0 off
+    the mask): they correct for the rollout engine sampling from slightly different numbers
+    than the trainer computes, without letting one token's ratio blow up the step."""
     if tis_cap <= 0:
         raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
-    mask = _check_inputs(logprobs, advantages, mask, old_logprobs=rollout_logprobs)
-    log_ratio = torch.where(mask, logprobs.detach() - rollout_logprobs, 0.0)
-    weight = log_ratio.exp().clamp(max=tis_cap)
-    per_token = torch.where(mask, -weight * _per_token(advantages) * logprobs, 0.0)
+    ratio = torch.where(mask, trainer_logprobs.detach() - rollout_logprobs, 0.0).exp()
+    weight = torch.where(mask, ratio.clamp(max=tis_cap), 0.0)
     tokens = mask.sum()
     stats = {
-        "tis_weight_mean": (weight * mask).sum() / tokens,
-        "tis_capped_fraction": ((log_ratio.exp() > tis_cap) & mask).sum() / tokens,
+        "tis_weight_mean": weight.sum() / tokens,
+        "tis_capped_fraction": ((ratio > tis_cap) & mask).sum() / tokens,
     }
-    return per_token.sum() / tokens, stats
+    return weight, stats
 
 
-def _clipped_token_loss(logprobs, old_logprobs, advantages, mask, epsilon_low, epsilon_high, ref_logprobs, kl_coef):
+def _clipped_token_loss(logprobs, old_logprobs, advantages, mask, epsilon_low, epsilon_high, ref_logprobs, kl_coef,
+                        rollout_logprobs=None, tis_cap=2.0):
     # where() rather than multiplying by the mask: masked positions may hold inf/nan.
     ratio = torch.where(mask, logprobs - old_logprobs, 0.0).exp()
     advantages = _per_token(advantages)
@@ -175,6 +245,10 @@ def _clipped_token_loss(logprobs, old_logprobs, advantages, mask, epsilon_low, e
     clipped = ((ratio < 1 - epsilon_low) & (advantages < 0)) | ((ratio > 1 + epsilon_high) & (advantages > 0))
     tokens = mask.sum()
     stats = {"clip_fraction": (clipped & mask).sum() / tokens}
+    if rollout_logprobs is not None:
+        weight, tis_stats = tis_weights(old_logprobs, rollout_logprobs, mask, tis_cap)
+        per_token = per_token * weight
+        stats.update(tis_stats)
     if ref_logprobs is not None:
         ref_minus_policy = torch.where(mask, ref_logprobs - logprobs, 0.0)
         kl = ref_minus_policy.exp() - ref_minus_policy - 1

@@ -1,6 +1,17 @@
-"""Reward functions for RL post-training and a runner that isolates their failures."""
+"""Reward functions for RL post-training (TRL's convention) and a runner that isolates their failures."""
 
+from lightning_logra.rewards.completions import completion_text, format_completions
 from lightning_logra.rewards.math import answers_match, extract_answer, math_reward
-from lightning_logra.rewards.runner import RewardRunner, load_reward
+from lightning_logra.rewards.runner import RewardRunner, RewardScores, RewardWarning, load_reward
 
-__all__ = ["RewardRunner", "answers_match", "extract_answer", "load_reward", "math_reward"]
+__all__ = [
+    "RewardRunner",
+    "RewardScores",
+    "RewardWarning",
+    "answers_match",
+    "completion_text",
+    "extract_answer",
+    "format_completions",
+    "load_reward",
+    "math_reward",
+]

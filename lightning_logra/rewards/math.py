@@ -5,11 +5,20 @@ Comparison: equal after normalisation, or equal as exact rationals (``1,000`` = 
 ``math_verify`` (``pip install lightning-logra[math]``) decides symbolic equivalence when it
 is installed. Its own signal-based timeouts are off because rewards run in worker
 threads: ``RewardRunner`` enforces the time limit.
+
+``math_reward`` follows TRL's reward convention, ``fn(completions, **kwargs)`` with the
+reference answers in the ``answer`` column, and still accepts the older positional call
+``math_reward(completions, answers)``. An old function ``fn(completions, answers)`` of your
+own becomes TRL-style by renaming the parameter and accepting the other columns:
+``def fn(completions, answer, **kwargs)``; if its completions may be conversational, read
+their text with ``completion_text``.
 """
 
 import logging
 import re
 from fractions import Fraction
+
+from lightning_logra.rewards.completions import completion_text
 
 try:
     import math_verify
@@ -72,24 +81,46 @@ def answers_match(predicted: str, reference: str) -> bool:
     return bool(gold) and bool(answer) and math_verify.verify(gold, answer, timeout_seconds=None)
 
 
-def math_reward(completions: list[str], answers: list) -> list[float]:
-    """1.0 where a completion's final answer equals the reference answer, else 0.0.
+def math_reward(completions: list, answers: list | None = None, *, answer: list | None = None, **kwargs) -> list:
+    """1.0 where a completion's final answer equals the reference answer, else 0.0; None
+    where the reference is None (a row of another task, which this reward does not score).
 
-    A reference that is a full GSM8K solution (``... #### 72``) or contains ``\\boxed``
-    is reduced to its final answer first.
+    Completions are strings or conversational (``[{"role": "assistant", "content": ...}]``).
+    The references come as ``answer=`` (TRL style, as ``RewardRunner`` passes the dataset
+    column) or positionally as ``answers``; other columns in ``kwargs`` are ignored. A
+    reference that is a full GSM8K solution (``... #### 72``) or contains ``\\boxed`` is
+    reduced to its final answer first.
     """
-    if len(completions) != len(answers):
-        raise ValueError(f"got {len(completions)} completions but {len(answers)} answers")
-    rewards = []
-    for index, (completion, answer) in enumerate(zip(completions, answers)):
-        if not isinstance(completion, str):
-            raise TypeError(f"completions[{index}] is {type(completion).__name__}, expected str")
-        reference = str(answer)
-        if "####" in reference or "\\boxed" in reference:
-            reference = extract_answer(reference) or reference
-        predicted = extract_answer(completion)
-        rewards.append(1.0 if predicted is not None and answers_match(predicted, reference) else 0.0)
-    return rewards
+    references = _references(answers, answer)
+    if len(completions) != len(references):
+        raise ValueError(f"got {len(completions)} completions but {len(references)} answers")
+    return [
+        None if reference is None else _score(_text_of(completions, index), str(reference))
+        for index, reference in enumerate(references)
+    ]
+
+
+def _references(answers: list | None, answer: list | None) -> list:
+    if answers is not None and answer is not None:
+        raise TypeError("math_reward: pass the references as answer= or positionally as answers, not both")
+    if answers is None and answer is None:
+        raise TypeError("math_reward needs the reference answers: answer=[...] (the dataset's 'answer' column)")
+    return answers if answer is None else answer
+
+
+def _text_of(completions: list, index: int) -> str:
+    try:
+        return completion_text(completions[index])
+    except TypeError:
+        kind = type(completions[index]).__name__
+        raise TypeError(f"completions[{index}] is {kind}, expected str or a list of messages") from None
+
+
+def _score(completion: str, reference: str) -> float:
+    if "####" in reference or "\\boxed" in reference:
+        reference = extract_answer(reference) or reference
+    predicted = extract_answer(completion)
+    return 1.0 if predicted is not None and answers_match(predicted, reference) else 0.0
 
 
 def _last_boxed(text: str) -> str | None:

@@ -86,3 +86,20 @@ def pack_rollouts(
         ended_with_eos=torch.tensor(ended_with_eos, dtype=torch.bool, device=device),
         prompt_length=prompt_length,
     )
+
+
+def select_rows(parts: list[tuple[Rollouts, list[int]]], pad_token_id: int) -> Rollouts:
+    """The chosen rows of several ``Rollouts`` (e.g. generation rounds of different prompts,
+    padded to different widths), in the order given, laid out anew as one ``Rollouts``."""
+    prompt_ids, completion_ids, logprobs, texts, ended = [], [], [], [], []
+    for rollouts, rows in parts:
+        prompt_part = rollouts.attention_mask.bool() & ~rollouts.completion_mask.bool()
+        completion_part = rollouts.completion_mask.bool()
+        for row in rows:
+            prompt_ids.append(rollouts.input_ids[row][prompt_part[row]].tolist())
+            completion_ids.append(rollouts.input_ids[row][completion_part[row]].tolist())
+            logprobs.append(rollouts.rollout_logprobs[row][completion_part[row]].tolist())
+            texts.append(rollouts.completion_text[row])
+            ended.append(bool(rollouts.ended_with_eos[row]))
+    device = parts[0][0].input_ids.device
+    return pack_rollouts(prompt_ids, completion_ids, logprobs, texts, ended, pad_token_id, device=device)

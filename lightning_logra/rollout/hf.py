@@ -14,14 +14,13 @@ class HFRolloutEngine:
     """Samples ``num_generations`` completions per prompt with ``model.generate``.
 
     Log-probs: ``generate(output_logits=True)`` returns the raw logits of each step; the
-    sampled token's log-prob is ``log_softmax(logits / temperature)``. With ``top_p < 1``
-    the sampler draws from the nucleus (HF's rule: the most likely tokens whose cumulative
-    probability first reaches ``top_p``), renormalised; the log-prob is taken under that
-    distribution, i.e. minus the log of the nucleus mass. With ``do_sample=False`` (greedy)
-    the log-prob is the model's at ``temperature``.
+    sampled token's log-prob is ``log_softmax(logits / temperature)`` over the whole
+    vocabulary, also when ``top_p < 1`` or ``top_k > 0`` truncate what is sampled from. That
+    is the distribution the trainer scores (``sequence_logprobs``), so the rollout/trainer
+    ratio measures numerical mismatch only, as vLLM's and the trainer's do.
 
-    Sampling knobs a model's ``generation_config`` may set (top-k, repetition penalty,
-    typical-p) are switched off so that the log-probs describe the actual sampler.
+    Sampling knobs a model's ``generation_config`` may set (repetition penalty, typical-p,
+    its own top-k) are switched off so that only the engine's settings shape the sampler.
     """
 
     def __init__(
@@ -32,6 +31,7 @@ class HFRolloutEngine:
         max_new_tokens: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int = 0,
         do_sample: bool = True,
     ) -> None:
         if max_new_tokens < 1:
@@ -40,6 +40,8 @@ class HFRolloutEngine:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {top_k}")
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token: set tokenizer.pad_token (e.g. to its eos token)")
         self.model = model
@@ -47,6 +49,7 @@ class HFRolloutEngine:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
+        self.top_k = top_k
         self.do_sample = do_sample
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
 
@@ -69,7 +72,7 @@ class HFRolloutEngine:
         encoded = self.tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
         input_ids = encoded["input_ids"].repeat_interleave(num_generations, dim=0).to(self.model.device)
         attention_mask = encoded["attention_mask"].repeat_interleave(num_generations, dim=0).to(self.model.device)
-        sampling = {"temperature": temperature, "top_p": top_p, "top_k": 0, "typical_p": 1.0}
+        sampling = {"temperature": temperature, "top_p": top_p, "top_k": self.top_k, "typical_p": 1.0}
         # Under FSDP2 every rank must run the same number of forward passes: generation
         # continues on every rank until all have finished.
         synced = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
@@ -94,19 +97,12 @@ class HFRolloutEngine:
         completions = output.sequences[:, input_ids.shape[1] :]
         token_logprobs = torch.stack(
             [
-                self._sampled_logprobs(logits, completions[:, step], temperature, top_p)
+                torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, completions[:, step, None]).squeeze(-1)
                 for step, logits in enumerate(output.logits)
             ],
             dim=1,
         )
         return self._pack(input_ids, attention_mask, completions, token_logprobs)
-
-    def _sampled_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-        logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-        sampled = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        if self.do_sample and top_p < 1:
-            sampled = sampled - _nucleus_log_mass(logprobs, top_p)
-        return sampled
 
     def _pack(self, input_ids, attention_mask, completions, token_logprobs) -> Rollouts:
         is_eos = torch.isin(completions, torch.tensor(self.eos_token_ids, device=completions.device))
@@ -123,15 +119,6 @@ class HFRolloutEngine:
             pad_token_id=self.tokenizer.pad_token_id,
             device=input_ids.device,
         )
-
-
-def _nucleus_log_mass(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Log of the probability mass HF's top-p keeps: sorted ascending, the tokens whose
-    cumulative probability exceeds ``1 - top_p`` (and always the most likely one)."""
-    ascending = logprobs.sort(dim=-1).values
-    kept = ascending.exp().cumsum(dim=-1) > 1 - top_p
-    kept[..., -1] = True
-    return torch.logsumexp(ascending.masked_fill(~kept, float("-inf")), dim=-1)
 
 
 def _eos_token_ids(model: nn.Module, tokenizer) -> list[int]:

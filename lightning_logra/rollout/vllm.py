@@ -14,9 +14,10 @@ from lightning_logra.rollout.base import Rollouts, check_request, pack_rollouts
 
 
 class VLLMRolloutEngine:
-    """Samples with vLLM; log-probs are vLLM's ``processed_logprobs``: those of the
-    distribution each token was drawn from (after temperature and top-p), as in
-    ``HFRolloutEngine``. ``temperature=0`` is greedy.
+    """Samples with vLLM; log-probs are vLLM's ``processed_logprobs`` (after temperature).
+    ``HFRolloutEngine`` and the trainer score the untruncated distribution; whether vLLM's
+    processed log-probs include its top-p truncation is not yet verified on a running
+    engine, so keep ``top_p = 1`` for training rollouts here. ``temperature=0`` is greedy.
 
     ``sleep_level=1`` offloads the weights to CPU memory while asleep; ``2`` discards them,
     so ``sync_weights`` must run before every ``generate`` (as it does in RL training).

@@ -1,0 +1,36 @@
+"""The few collectives a GRPO step needs across data-parallel ranks (no-ops on one process)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def gather_ranks(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``values`` (1-D, same size everywhere), concatenated in rank order."""
+    if not _distributed():
+        return values
+    gathered = torch.empty(values.numel() * dist.get_world_size(), dtype=values.dtype, device=values.device)
+    dist.all_gather_single(gathered, values.contiguous())
+    return gathered
+
+
+def global_counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows and masked tokens summed over ranks: the normalisers of a data-parallel mean."""
+    counts = torch.stack([torch.tensor(float(mask.shape[0]), device=mask.device), mask.sum().float()])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts)
+    return counts[0], counts[1]
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank, so that all ranks take the same branch."""
+    if not _distributed():
+        return flag
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
