@@ -120,6 +120,15 @@ def test_truncated_importance_sampling_is_on_for_vllm_and_when_asked(model_folde
     assert logged[0]["policy/tis_capped_fraction"] == 0
 
 
+def test_vllm_rollouts_refuse_truncated_sampling():
+    # vLLM's log-probs would be the truncated distribution's, the trainer's the full one
+    with pytest.raises(ValueError, match=r"rollout.top_p = 0.9 / rollout.top_k = 0 with rollout.engine='vllm'"):
+        RolloutConfig(engine="vllm", top_p=0.9)
+    with pytest.raises(ValueError, match="rollout.top_k = 5"):
+        RolloutConfig(engine="vllm", top_k=5)
+    RolloutConfig(engine="vllm", val_top_p=0.7)  # validation may truncate: its log-probs are not used
+
+
 def test_gspo_trains(model_folder):
     grpo = module(model_folder, loss=LossConfig(type="gspo", epsilon_low=3e-4, epsilon_high=4e-4),
                   rewards=rewards("varied_reward"))

@@ -67,12 +67,20 @@ class RolloutConfig:
     val_temperature: float = 0.7
     val_top_p: float = 0.7
     val_generations: int = 4  # n samples per validation prompt: pass@1 and pass@n
-    gpu_memory_utilization: float = 0.3  # vLLM only
+    gpu_memory_utilization: float = 0.3  # vLLM on GPU only
+    kv_cache_gib: float = 1.0  # vLLM on CPU only: memory for its KV cache
 
     def __post_init__(self) -> None:
         for name in ("num_generations", "max_new_tokens", "val_generations"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"rollout.{name} = {getattr(self, name)!r} must be an integer >= 1")
+        if not self.kv_cache_gib > 0:
+            raise ValueError(f"rollout.kv_cache_gib = {self.kv_cache_gib!r} must be > 0")
+        if self.engine == "vllm" and (self.top_p < 1 or self.top_k):
+            raise ValueError(
+                f"rollout.top_p = {self.top_p!r} / rollout.top_k = {self.top_k!r} with rollout.engine='vllm': vLLM's "
+                "log-probs are then those of the truncated distribution, the trainer's of the full one; use "
+                "top_p: 1.0 and top_k: 0 for training rollouts (val_top_p applies to validation only)")
         for name in ("top_k", "max_sampling_rounds"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
                 raise ValueError(f"rollout.{name} = {getattr(self, name)!r} must be an integer >= 0")

@@ -397,6 +397,7 @@ class GRPOModule(L.LightningModule):
                 self._engine = VLLMRolloutEngine(
                     self._vllm_model_path(), max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                     top_p=config.top_p, gpu_memory_utilization=config.gpu_memory_utilization,
+                    kv_cache_gib=config.kv_cache_gib, seed=self.seed,
                 )
                 self._engine.sync_weights(self.policy)
             else:

