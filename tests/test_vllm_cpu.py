@@ -13,6 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.data import PromptDataModule
 from lightning_logra.modules import GRPOModule, OptimizerConfig, RolloutConfig
+from tests.distributed import run_lightning_on_two_ranks
 from tests.tiny_models import byte_tokenizer, favour_token
 
 pytestmark = [
@@ -88,7 +89,7 @@ def test_weight_sync_is_proven_and_a_stale_engine_is_caught(engine, folder):
     torch.testing.assert_close(sampled, trainer, rtol=0, atol=1e-4)
 
 
-def fit_with_vllm(folder, strategy, steps=2):
+def fit_with_vllm(folder, strategy, steps=2, devices=1):
     grpo = GRPOModule(model=folder, rollout=RolloutConfig(engine="vllm", num_generations=2, max_new_tokens=6,
                                                           val_generations=2, kv_cache_gib=0.25),
                       optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, decay_steps=0), micro_batch_size=2,
@@ -102,7 +103,7 @@ def fit_with_vllm(folder, strategy, steps=2):
     data = PromptDataModule(train="arithmetic", val="arithmetic", tokenizer=folder, batch_size=2, train_size=16, val_size=4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+        L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                   limit_val_batches=0, callbacks=[Capture(), LoGRACallback()] if strategy != "auto" else [Capture()]).fit(grpo, data)
     return grpo, logged
@@ -125,3 +126,23 @@ def test_grpo_with_dense_adamw_samples_from_every_update(folder):
     grpo, logged = fit_with_vllm(folder, "auto")
     assert grpo.engine.last_sync_gap <= 1e-4
     assert all(step["policy/rollout_trainer_logprob_gap_abs"] < 1e-3 for step in logged)
+
+
+def _two_rank_logra_with_vllm(rank, world, folder):
+    strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
+    grpo, logged = fit_with_vllm(folder, strategy, devices=2)
+    weights = [state.weight.full_tensor() for state in strategy.logra_optimizer.sketches]
+    gaps = [step["policy/rollout_trainer_logprob_gap_abs"] for step in logged]
+    return strategy.logra_optimizer.update_count, grpo.engine.last_sync_gap, gaps, weights
+
+
+@pytest.mark.distributed
+def test_two_processes_sync_fsdp2_shards_into_their_engines(folder):
+    # Each rank runs its own vLLM (external_launcher); the FSDP2-sharded policy is gathered one
+    # tensor at a time into both, and each engine's sync check passes after every update.
+    (count0, gap0, gaps0, weights0), (count1, gap1, gaps1, weights1) = run_lightning_on_two_ranks(
+        _two_rank_logra_with_vllm, folder)
+    assert count0 == count1 == 2
+    assert gap0 <= 1e-4 and gap1 <= 1e-4
+    assert max(gaps0) < 1e-3 and gaps0 == gaps1  # the metric is reduced over ranks
+    assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))

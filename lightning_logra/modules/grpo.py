@@ -23,14 +23,7 @@ from lightning_logra.modules.collectives import any_rank, gather_ranks, global_c
 from lightning_logra.modules.completions import completion_table, log_completion_table
 from lightning_logra.modules.config import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
 from lightning_logra.modules.logprobs import DEFAULT_CHUNK_SIZE, sequence_logprobs
-from lightning_logra.modules.losses import (
-    RunningBaseline,
-    dr_grpo_loss,
-    group_advantages,
-    grpo_loss,
-    gspo_loss,
-    reinforce_baseline_loss,
-)
+from lightning_logra.modules.losses import RunningBaseline, group_advantages, micro_batch_loss, normalised_per_token
 from lightning_logra.modules.metrics import PassTotals, PhaseClock, step_metrics
 from lightning_logra.modules.sampling import (
     ScoredRollouts,
@@ -137,6 +130,10 @@ class GRPOModule(L.LightningModule):
     def logra_model(self) -> torch.nn.Module:
         return self.policy
 
+    def logra_frozen_models(self) -> list[torch.nn.Module]:
+        """The KL reference, which logra_fsdp keeps in the compute dtype and shards like the policy."""
+        return [] if self.reference is None else [self.reference]
+
     def logra_probe_batch(self) -> dict[str, torch.Tensor | float]:
         """The step's rollouts, scored at the positions that generated their tokens, at the
         sampling temperature. Rows come one per prompt first (then the second sample of
@@ -172,6 +169,10 @@ class GRPOModule(L.LightningModule):
         if self.reference is not None:
             with torch.no_grad(), memory_phase("backward", BACKWARD_HINT):
                 reference_logprobs = self._logprobs(self.reference, input_ids, attention_mask)
+            if hasattr(self.reference, "reshard"):
+                # FSDP2 keeps a root module's gathered weights after a forward that no backward
+                # follows; the reference's embeddings and head would stay whole all step.
+                self.reference.reshard()
             phases.lap("reference")
         if self.num_iterations * self.mini_batches > 1:
             # The PPO ratio's denominator: the weights that sampled, before the first update.
@@ -222,11 +223,13 @@ class GRPOModule(L.LightningModule):
                 loss, stats, weight = torch.where(mask[part], logprobs, 0.0).sum(), {}, 0.0
             else:
                 old = parts[-1] if old_logprobs is None else old_logprobs[part]
-                loss, stats = self._loss(logprobs, old, rollout_logprobs[part], advantages[part], mask[part],
-                                         None if reference_logprobs is None else reference_logprobs[part])
+                loss, stats = micro_batch_loss(
+                    self.loss_config, logprobs, old, rollout_logprobs[part], advantages[part], mask[part],
+                    None if reference_logprobs is None else reference_logprobs[part],
+                    max_completion_length=self.rollout_config.max_new_tokens, tis=self._tis)
                 # Each part's loss is normalised over its own tokens (rows); reweight so that the sum
                 # over parts and ranks is the update-wide mean (data parallelism averages).
-                weight = mask[part].sum() / tokens if self._per_token_normaliser else (logprobs.shape[0] / row_count)
+                weight = mask[part].sum() / tokens if normalised_per_token(self.loss_config) else (logprobs.shape[0] / row_count)
             with memory_phase("backward", BACKWARD_HINT):
                 self.manual_backward(loss * weight * world)
             passes.add(entropy, mask[part], stats)
@@ -308,12 +311,6 @@ class GRPOModule(L.LightningModule):
             log_completion_table(self.loggers, table, step=first_step)
 
     @property
-    def _per_token_normaliser(self) -> bool:
-        return self.loss_config.type not in ("dr_grpo", "gspo") and not (
-            self.loss_config.type == "grpo" and self.loss_config.aggregation == "sequence"
-        )
-
-    @property
     def _tis(self) -> bool:
         """Truncated importance sampling in the clipped losses: as set, else with vLLM only."""
         return self.loss_config.tis if self.loss_config.tis is not None else self.rollout_config.engine == "vllm"
@@ -326,18 +323,6 @@ class GRPOModule(L.LightningModule):
             everyone = self.baseline.advantages(gather_ranks(rewards))
             return everyone.view(-1, rewards.numel())[self.global_rank if everyone.numel() > rewards.numel() else 0]
         return group_advantages(rewards, self.rollout_config.num_generations, normalize_std=loss.type != "dr_grpo")
-
-    def _loss(self, logprobs, old_logprobs, rollout_logprobs, advantages, mask, reference_logprobs):
-        loss = self.loss_config
-        if loss.type == "reinforce_baseline":
-            return reinforce_baseline_loss(logprobs, rollout_logprobs, advantages, mask, tis_cap=loss.tis_cap)
-        common = dict(epsilon_low=loss.epsilon_low, epsilon_high=loss.epsilon_high, ref_logprobs=reference_logprobs,
-                      kl_coef=loss.kl_coef, rollout_logprobs=rollout_logprobs if self._tis else None, tis_cap=loss.tis_cap)
-        if loss.type == "gspo":
-            return gspo_loss(logprobs, old_logprobs, advantages, mask, **common)
-        if loss.type == "dr_grpo":
-            return dr_grpo_loss(logprobs, old_logprobs, advantages, mask, max_completion_length=self.rollout_config.max_new_tokens, **common)
-        return grpo_loss(logprobs, old_logprobs, advantages, mask, aggregation=loss.aggregation, **common)
 
     def _logprobs(self, model, input_ids, attention_mask, entropy: bool = False):
         """One call with grad (a micro-batch); micro-batched without (a whole rollout batch)."""

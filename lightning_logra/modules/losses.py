@@ -9,6 +9,8 @@ whatever values they hold. ``advantages`` is one value per sequence (``B``) or p
 
 import torch
 
+from lightning_logra.modules.config import LossConfig
+
 AGGREGATIONS = ("token", "sequence")
 
 
@@ -231,6 +233,37 @@ def tis_weights(
         "tis_capped_fraction": ((ratio > tis_cap) & mask).sum() / tokens,
     }
     return weight, stats
+
+
+def micro_batch_loss(
+    config: LossConfig,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    *,
+    max_completion_length: int,
+    tis: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss ``config.type`` names, with its settings; ``tis`` puts the rollout/trainer
+    importance weight into the clipped losses (``reinforce_baseline`` always has it)."""
+    if config.type == "reinforce_baseline":
+        return reinforce_baseline_loss(logprobs, rollout_logprobs, advantages, mask, tis_cap=config.tis_cap)
+    common = dict(epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high, ref_logprobs=ref_logprobs,
+                  kl_coef=config.kl_coef, rollout_logprobs=rollout_logprobs if tis else None, tis_cap=config.tis_cap)
+    if config.type == "gspo":
+        return gspo_loss(logprobs, old_logprobs, advantages, mask, **common)
+    if config.type == "dr_grpo":
+        return dr_grpo_loss(logprobs, old_logprobs, advantages, mask, max_completion_length=max_completion_length, **common)
+    return grpo_loss(logprobs, old_logprobs, advantages, mask, aggregation=config.aggregation, **common)
+
+
+def normalised_per_token(config: LossConfig) -> bool:
+    """Whether the loss is a mean over tokens (else over sequences, or Dr. GRPO's constant),
+    which decides how micro-batches and ranks are weighted into one mean."""
+    return config.type not in ("dr_grpo", "gspo") and not (config.type == "grpo" and config.aggregation == "sequence")
 
 
 def _clipped_token_loss(logprobs, old_logprobs, advantages, mask, epsilon_low, epsilon_high, ref_logprobs, kl_coef,

@@ -62,6 +62,9 @@ class LoGRAFabricStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
         self._module = module
         return module
 
+    def _compute_dtype(self) -> torch.dtype | None:
+        return compute_dtype_for(self.precision.precision)
+
     @override
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         self.runtime.remember_base_lr([optimizer])

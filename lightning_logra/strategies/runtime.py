@@ -230,9 +230,18 @@ class LoGRAStrategyMixin:
         return self.device_mesh["data_parallel"].size() > 1
 
     def _shard(self, module: nn.Module, mesh: Any) -> nn.Module:
+        """The policy, and the frozen models the module names (``logra_frozen_models()``, e.g.
+        a KL reference), FSDP2-sharded across ranks; the frozen ones also cast to the compute
+        dtype: they get no gradient, so a float32 master copy would only cost memory."""
+        frozen = list(module.logra_frozen_models()) if hasattr(module, "logra_frozen_models") else []
+        compute_dtype = self._compute_dtype()
+        for model in frozen:
+            if compute_dtype is not None:
+                model.to(compute_dtype)
         if self._shards_policy():
             policy = policy_module(module, self.logra_config.target_modules)
-            shard_policy(policy, mesh["data_parallel"], self.logra_config.target_modules, self.layer_classes)
+            for model in (policy, *frozen):
+                shard_policy(model, mesh["data_parallel"], self.logra_config.target_modules, self.layer_classes)
         return module
 
     def _data_parallel_group(self) -> dist.ProcessGroup:

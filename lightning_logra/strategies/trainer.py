@@ -6,6 +6,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
+
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -77,6 +79,9 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
         self.runtime.remember_base_lr(self.optimizers)
         self.runtime.measure_kl = any(getattr(callback, "measure_kl", False) for callback in trainer.callbacks)
         _count_targets_as_trainable(trainer, self.runtime.trained_parameters())
+
+    def _compute_dtype(self) -> torch.dtype | None:
+        return compute_dtype_for(self.lightning_module.trainer.precision)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
