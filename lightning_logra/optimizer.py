@@ -29,6 +29,7 @@ from torch import nn
 from lightning_logra.config import AUTO_RANK, LoGRAConfig
 from lightning_logra.kl import Budget, KLController, mismatch_sums
 from lightning_logra.layout import RowLayout, make_layout
+from lightning_logra.lowrank import LowRankUpdate, low_rank_updates, scaled_factor
 from lightning_logra.probe import (
     ProbeBatch,
     ProbeLayer,
@@ -95,6 +96,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.consecutive_skips = 0
         self._prepared: PreparedUpdate | None = None
         self._coverage_checked = False
+        # With record_low_rank, apply_update keeps each target's (alpha D, seed of A) for a
+        # rollout engine's low-rank weight sync (lowrank.py); a collective under sharding.
+        self.record_low_rank = False
+        self.last_low_rank: list[LowRankUpdate] | None = None
 
     @property
     def mismatch(self) -> float:
@@ -251,6 +256,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         alpha = float(alpha)
         if not math.isfinite(alpha) or alpha < 0:
             raise FloatingPointError(f"step scale alpha must be finite and >= 0, got {alpha}; no weight was changed")
+        self.last_low_rank = self._low_rank_updates(alpha) if self.record_low_rank else None
         apply_directions(self.sketches, self._prepared.directions, self.layout.rows, alpha, self.config)
         for state, moment in zip(self.sketches, self._prepared.moments):
             state.second_moment.copy_(moment)
@@ -258,6 +264,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self.controller.commit(budget)
         self.update_count += 1
         self._finish_step()
+
+    def _low_rank_updates(self, alpha: float) -> list[LowRankUpdate]:
+        factors = [scaled_factor(direction, alpha, self.config, local_rows(state.weight).dtype)
+                   for direction, state in zip(self._prepared.directions, self.sketches)]
+        return low_rank_updates(self.sketches, self.layout.full_rows(factors), self.config, self.update_count)
 
     def skip_update(self) -> None:
         """Drop the prepared update and this step's sketches without touching any weight,

@@ -229,6 +229,7 @@ def test_vllm_sync_weights_sends_hf_names_of_a_wrapped_model(tokenizer):
     assert name.startswith("_orig_mod._fsdp_wrapped_module.model.layers.0._checkpoint_wrapped_module.")
     engine = VLLMRolloutEngine.__new__(VLLMRolloutEngine)  # skips starting vLLM
     engine.llm, engine._weights_asleep = RecordingLLM(), False
+    engine.weight_sync, engine._master = "full", None
     engine.check_sync = lambda model: 0.0  # needs a running engine: tests/test_vllm_cpu.py
     engine.sync_weights(wrapped)
     assert engine.llm.names == list(plain.state_dict())

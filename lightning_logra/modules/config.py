@@ -69,11 +69,20 @@ class RolloutConfig:
     val_generations: int = 4  # n samples per validation prompt: pass@1 and pass@n
     gpu_memory_utilization: float = 0.3  # vLLM on GPU only
     kv_cache_gib: float = 1.0  # vLLM on CPU only: memory for its KV cache
+    # vLLM only: "lowrank" sends each LoGRA update as (alpha D, seed of A) and a full copy
+    # every full_sync_every syncs; "full" sends every weight every time
+    weight_sync: Literal["full", "lowrank"] = "full"
+    full_sync_every: int = 50
 
     def __post_init__(self) -> None:
         for name in ("num_generations", "max_new_tokens", "val_generations"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"rollout.{name} = {getattr(self, name)!r} must be an integer >= 1")
+        if self.weight_sync == "lowrank" and self.engine != "vllm":
+            raise ValueError("rollout.weight_sync='lowrank' needs rollout.engine='vllm': the HF engine generates "
+                             "with the training model itself and syncs nothing")
+        if not (isinstance(self.full_sync_every, int) and self.full_sync_every >= 1):
+            raise ValueError(f"rollout.full_sync_every = {self.full_sync_every!r} must be an integer >= 1")
         if not self.kv_cache_gib > 0:
             raise ValueError(f"rollout.kv_cache_gib = {self.kv_cache_gib!r} must be > 0")
         if self.engine == "vllm" and (self.top_p < 1 or self.top_k):

@@ -125,6 +125,7 @@ class GRPOModule(L.LightningModule):
         self._engine = None
         self._last: dict[str, torch.Tensor] = {}
         self._empty_updates_in_a_row = 0
+        self._low_rank_updates: list[list] = []
 
     # LoGRA hooks (read by the logra_fsdp strategy once per step; harmless elsewhere) -------
     def logra_model(self) -> torch.nn.Module:
@@ -143,6 +144,14 @@ class GRPOModule(L.LightningModule):
         order = torch.arange(rows, device=self._last["input_ids"].device).view(-1, n).T.reshape(-1)
         batch = {key: self._last[key][order] for key in ("input_ids", "attention_mask", "logits_mask", "position_ids")}
         return {**batch, "temperature": self.rollout_config.temperature}
+
+    def logra_low_rank_sync(self) -> bool:
+        """Whether LoGRA should hand over each update as (alpha D, seed): ``weight_sync: lowrank``."""
+        return self.rollout_config.weight_sync == "lowrank"
+
+    def logra_applied(self, updates: list) -> None:
+        """The low-rank form of one LoGRA update (``[]`` when nothing changed), for the next sync."""
+        self._low_rank_updates.append(updates)
 
     def logra_logprob_pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rollout vs trainer log-probs of the completion tokens of EOS-terminated responses."""
@@ -187,13 +196,15 @@ class GRPOModule(L.LightningModule):
                                        passes, phases)
                 if old_logprobs is None:  # one update: its log-probs are those of the weights that sampled
                     old_logprobs = trained
-        self.engine.sync_weights(self.policy)
+        self._sync_engine(passes.updates)
         phases.lap("weight_sync")
         if old_logprobs is None:  # the one update had no token to train on: no gap to measure
             old_logprobs = rollout_logprobs
         metrics = step_metrics(scored, mask, rollout_logprobs, old_logprobs, passes,
                                num_generations=self.rollout_config.num_generations, phase_seconds=phases.seconds,
                                started=started, sampling=sampling)
+        if getattr(self.engine, "last_sync_bytes", None) is not None:
+            metrics["perf/weight_sync_bytes"] = float(self.engine.last_sync_bytes)
         for key, value in metrics.items():
             self.log(key, value, on_step=True, prog_bar=key == "reward/mean", batch_size=1)
         self._log_completions(scored, first_step)
@@ -257,6 +268,18 @@ class GRPOModule(L.LightningModule):
                 f"{self._empty_updates_in_a_row} updates in a row had no completion token to train on: with "
                 "loss.mask_truncated every completion hit rollout.max_new_tokens "
                 f"({self.rollout_config.max_new_tokens}); raise it, or turn mask_truncated off")
+
+    def _sync_engine(self, updates: int) -> None:
+        """Bring the rollout engine to the trained weights: in full, or with ``weight_sync:
+        lowrank`` by the LoGRA updates of this step (every one must have reached us)."""
+        if not self.logra_low_rank_sync():
+            self.engine.sync_weights(self.policy)
+            return
+        received, self._low_rank_updates = self._low_rank_updates, []
+        if len(received) != updates:
+            raise ValueError(f"rollout.weight_sync='lowrank' needs every optimizer step to be a LoGRA update "
+                             f"(strategy logra_fsdp); {updates} steps ran, {len(received)} reported one")
+        self.engine.sync_weights(self.policy, low_rank_updates=[u for step in received for u in step])
 
     def _mini_batch_rows(self, rows: int) -> list[slice]:
         """Consecutive row ranges of whole prompt groups, one per optimizer step."""
@@ -382,7 +405,8 @@ class GRPOModule(L.LightningModule):
                 self._engine = VLLMRolloutEngine(
                     self._vllm_model_path(), max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                     top_p=config.top_p, gpu_memory_utilization=config.gpu_memory_utilization,
-                    kv_cache_gib=config.kv_cache_gib, seed=self.seed,
+                    kv_cache_gib=config.kv_cache_gib, seed=self.seed, weight_sync=config.weight_sync,
+                    full_sync_every=config.full_sync_every,
                 )
                 self._engine.sync_weights(self.policy)
             else:

@@ -22,6 +22,7 @@ import warnings
 import torch
 from torch import nn
 
+from lightning_logra.lowrank import LowRankUpdate
 from lightning_logra.projection import canonical_name
 from lightning_logra.rollout.base import Rollouts, check_request, pack_rollouts
 
@@ -87,11 +88,23 @@ class VLLMRolloutEngine:
         sleep_level: int = 1,
         kv_cache_gib: float = 1.0,
         sync_tolerance: float | None = None,
+        weight_sync: str = "full",
+        full_sync_every: int = 50,
     ) -> None:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         if not kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
+        if weight_sync not in ("full", "lowrank") or full_sync_every < 1:
+            raise ValueError(f"weight_sync must be 'full' or 'lowrank' and full_sync_every >= 1, got {weight_sync!r}, "
+                             f"{full_sync_every}")
+        self.weight_sync, self.full_sync_every = weight_sync, full_sync_every
+        # lowrank: the engine's own copy of the weights in checkpoint form, which the updates
+        # move exactly as the trainer's move (lightning_logra.lowrank), reloaded into vLLM
+        self._master: dict[str, torch.Tensor] | None = None
+        self._syncs_since_full = 0
+        self.last_sync_bytes: int | None = None  # what the last sync took from the trainer
+        self.last_sync_kind: str | None = None
         self.on_gpu = torch.cuda.is_available()
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         if not self.on_gpu and not distributed:
@@ -136,22 +149,50 @@ class VLLMRolloutEngine:
         self.last_sync_gap: float | None = None
         self._sleep()
 
-    def sync_weights(self, model: nn.Module) -> None:
-        """Load ``model``'s weights into vLLM, one full tensor at a time (FSDP2 DTensors are
-        gathered with ``full_tensor()`` as vLLM consumes them, a collective: every rank must
-        call this), then prove it with ``check_sync``."""
+    def sync_weights(self, model: nn.Module, low_rank_updates: list[LowRankUpdate] | None = None) -> None:
+        """Bring vLLM to ``model``'s weights, then prove it with ``check_sync``.
+
+        In full: ``model``'s weights one full tensor at a time (FSDP2 DTensors are gathered with
+        ``full_tensor()`` as vLLM consumes them, a collective: every rank must call this).
+        With ``weight_sync="lowrank"`` and ``low_rank_updates`` (the LoGRA updates since the
+        last sync), only those travel: they move the engine's copy, which is reloaded into
+        vLLM; every ``full_sync_every``-th sync is a full one, which also refreshes the copy."""
         self._wake_weights()
-
-        def weights():
-            for name, tensor in model.state_dict().items():
-                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-                # vLLM expects the HF checkpoint names, without the components wrappers insert.
-                yield canonical_name(name), full.detach()
-
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        low_rank = (self.weight_sync == "lowrank" and low_rank_updates is not None and self._master is not None
+                    and self._syncs_since_full + 1 < self.full_sync_every)
+        if low_rank:
+            for update in low_rank_updates:
+                update.apply_to(self._master[update.name])
+            self._reload(iter(self._master.items()))
+            self._syncs_since_full += 1
+            self.last_sync_bytes, self.last_sync_kind = sum(update.nbytes for update in low_rank_updates), "lowrank"
+        else:
+            self._master = {} if self.weight_sync == "lowrank" else None
+            self.last_sync_bytes = 0
+            self._reload(self._streamed(model))
+            self._syncs_since_full = 0
+            self.last_sync_kind = "full"
         self._weights_current = True
         self.check_sync(model)
+
+    def drift(self, model: nn.Module) -> float:
+        """Largest |engine copy - trainer| over all weights (``weight_sync="lowrank"``)."""
+        if self._master is None:
+            raise RuntimeError("drift() needs weight_sync='lowrank' and one sync: the engine keeps no copy otherwise")
+        return max(float((self._master[name] - full.cpu()).abs().max()) for name, full in _gathered(model))
+
+    def _streamed(self, model: nn.Module):
+        """``model``'s weights for a full sync, counted in ``last_sync_bytes``, copied for
+        later low-rank syncs when they will need them."""
+        for name, full in _gathered(model):
+            self.last_sync_bytes += full.numel() * full.element_size()
+            if self._master is not None:
+                self._master[name] = full.to("cpu", copy=True)
+            yield name, full
+
+    def _reload(self, weights) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
     def check_sync(self, model: nn.Module) -> float:
         """Score a fixed token sequence with vLLM and with ``model`` (temperature 1) and raise
@@ -227,6 +268,14 @@ class VLLMRolloutEngine:
         self._weights_asleep = True
         # Level 1 keeps a CPU copy of the weights; level 2 drops them.
         self._weights_current = self.sleep_level == 1
+
+
+def _gathered(model: nn.Module):
+    """(HF name, full tensor) of every weight, one at a time: an FSDP2 shard is gathered
+    (``full_tensor()``, a collective) only when the consumer asks for it."""
+    for name, tensor in model.state_dict().items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        yield canonical_name(name), full.detach()  # vLLM expects the HF names, without wrapper components
 
 
 @torch.no_grad()

@@ -156,6 +156,7 @@ class LoGRARuntime:
         if self.config.follow_lr_schedule and user_optimizer is not None and self.base_lr:
             lr = float(user_optimizer.param_groups[0]["lr"])
             optimizer.param_groups[0]["lr"] = self.config.update_ratio * lr / self.base_lr
+        optimizer.record_low_rank = bool(getattr(module, "logra_low_rank_sync", lambda: False)())
         report = optimizer.step(
             probe=probe_batch_of(module, batch) if self.config.kl_control else None,
             logprob_pairs=module.logra_logprob_pairs() if hasattr(module, "logra_logprob_pairs") else None,
@@ -166,6 +167,9 @@ class LoGRARuntime:
         )
         if report is not None and report.skipped and user_optimizer is not None:
             user_optimizer.zero_grad(set_to_none=True)
+        if hasattr(module, "logra_applied"):  # what changed, for a low-rank weight sync ([] if nothing)
+            applied = report is not None and not report.skipped and optimizer.record_low_rank
+            module.logra_applied(optimizer.last_low_rank if applied else [])
         self.last_report = report
         return report
 
