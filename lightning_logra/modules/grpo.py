@@ -35,7 +35,7 @@ from lightning_logra.modules.sampling import (
 )
 from lightning_logra.models import enable_activation_checkpointing, load_policy, with_lora
 from lightning_logra.reliability import memory_phase
-from lightning_logra.rewards.runner import RewardRunner, RewardScores
+from lightning_logra.rewards.runner import RewardRunner
 
 DEFAULT_REWARD = "lightning_logra.rewards.math:math_reward"
 # What shrinks each phase's memory, for the error an out-of-memory in it raises.
@@ -164,6 +164,8 @@ class GRPOModule(L.LightningModule):
         # Sampling randomness is derived from (seed, step, rank), not carried over from
         # earlier steps: a resumed run samples exactly what the uninterrupted one did.
         torch.manual_seed(sampling_seed(self.seed, self.global_step, self.global_rank))
+        # Checked before anything is generated; dynamic sampling keeps the number of rows.
+        mini_batches = self._mini_batch_rows(len(batch["prompt_text"]) * self.rollout_config.num_generations)
         scored, sampling = self._sample(batch, phases)
         advantages = self._advantages(scored.rewards)
         phases.lap("rewards")
@@ -191,7 +193,7 @@ class GRPOModule(L.LightningModule):
 
         passes = PassTotals.zeros(self.device)
         for _ in range(self.num_iterations):
-            for rows in self._mini_batch_rows(input_ids.shape[0]):
+            for rows in mini_batches:
                 trained = self._update(rows, rollouts, mask, rollout_logprobs, advantages, old_logprobs, reference_logprobs,
                                        passes, phases)
                 if old_logprobs is None:  # one update: its log-probs are those of the weights that sampled
@@ -309,7 +311,7 @@ class GRPOModule(L.LightningModule):
         with memory_phase("rollout", ROLLOUT_HINT):
             rollouts = self.engine.generate(batch["prompt_text"], num_generations=config.num_generations)
         phases.lap("generation")
-        scores, columns = self._score(rollouts, batch, config.num_generations)
+        scores, columns = score_rollouts(self.reward_runner, rollouts, batch, config.num_generations)
         rewards = torch.tensor(scores.total, dtype=torch.float32, device=self.device)
         loss = self.loss_config
         if loss.overlong_buffer:
@@ -317,9 +319,6 @@ class GRPOModule(L.LightningModule):
             rewards = rewards + overlong_penalty(lengths, config.max_new_tokens, loss.overlong_buffer, loss.overlong_penalty)
         phases.lap("rewards")
         return ScoredRollouts(rollouts, columns, scores, rewards)
-
-    def _score(self, rollouts, batch: dict[str, list], n: int) -> tuple[RewardScores, dict[str, list]]:
-        return score_rollouts(self.reward_runner, rollouts, batch, n)
 
     def _more_prompts(self, round_: int, count: int) -> dict[str, list]:
         """Further prompts for dynamic sampling: a resumed run draws the same ones."""
@@ -379,7 +378,7 @@ class GRPOModule(L.LightningModule):
         n = config.val_generations
         torch.manual_seed(sampling_seed(self.seed + 1, batch_idx, self.global_rank))
         rollouts = self.engine.generate(batch["prompt_text"], num_generations=n, temperature=config.val_temperature, top_p=config.val_top_p)
-        scores, _ = self._score(rollouts, batch, n)
+        scores, _ = score_rollouts(self.reward_runner, rollouts, batch, n)
         correct = (torch.tensor(scores.total, device=self.device) > 0).float().view(-1, n)
         self.val_pass_at_1.update(correct.mean(dim=1))
         self.val_pass_at_n.update(correct.amax(dim=1))  # unbiased pass@k with k = n

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -104,7 +105,6 @@ class VLLMRolloutEngine:
         self._master: dict[str, torch.Tensor] | None = None
         self._syncs_since_full = 0
         self.last_sync_bytes: int | None = None  # what the last sync took from the trainer
-        self.last_sync_kind: str | None = None
         self.on_gpu = torch.cuda.is_available()
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         if not self.on_gpu and not distributed:
@@ -165,13 +165,12 @@ class VLLMRolloutEngine:
                 update.apply_to(self._master[update.name])
             self._reload(iter(self._master.items()))
             self._syncs_since_full += 1
-            self.last_sync_bytes, self.last_sync_kind = sum(update.nbytes for update in low_rank_updates), "lowrank"
+            self.last_sync_bytes = sum(update.nbytes for update in low_rank_updates)
         else:
             self._master = {} if self.weight_sync == "lowrank" else None
             self.last_sync_bytes = 0
             self._reload(self._streamed(model))
             self._syncs_since_full = 0
-            self.last_sync_kind = "full"
         self._weights_current = True
         self.check_sync(model)
 
@@ -200,14 +199,9 @@ class VLLMRolloutEngine:
         checksum of the whole synced model, packed kernels included. Returns the largest gap."""
         from vllm import SamplingParams
 
-        self._wake_weights()
-        if self.on_gpu:
-            self.llm.wake_up(tags=["kv_cache"])
-        try:
-            params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        with self._awake():
             output = self.llm.generate([{"prompt_token_ids": self.check_ids}], params, use_tqdm=False)[0]
-        finally:
-            self._sleep()
         engine = torch.tensor([step[token].logprob for step, token in zip(output.prompt_logprobs[1:], self.check_ids[1:])])
         trainer = _sequence_logprobs(model, self.check_ids)
         gap = float((engine - trainer).abs().max())
@@ -233,15 +227,10 @@ class VLLMRolloutEngine:
             raise RuntimeError("vLLM's weights were discarded in sleep (sleep_level=2): call sync_weights first")
         from vllm import SamplingParams
 
-        self._wake_weights()
-        if self.on_gpu:
-            self.llm.wake_up(tags=["kv_cache"])
-        try:
-            overrides = {k: v for k, v in (("temperature", temperature), ("top_p", top_p)) if v is not None}
-            sampling = SamplingParams(n=num_generations, **{**self.sampling, **overrides})
+        overrides = {k: v for k, v in (("temperature", temperature), ("top_p", top_p)) if v is not None}
+        sampling = SamplingParams(n=num_generations, **{**self.sampling, **overrides})
+        with self._awake():
             outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
-        finally:
-            self._sleep()
         completions = [(output.prompt_token_ids, sample) for output in outputs for sample in output.outputs]
         return pack_rollouts(
             prompt_ids=[list(prompt) for prompt, _ in completions],
@@ -255,6 +244,17 @@ class VLLMRolloutEngine:
             pad_token_id=self.pad_token_id,
             device=torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu"),
         )
+
+    @contextmanager
+    def _awake(self):
+        """Weights and KV cache awake for one generation, asleep again after it (GPU)."""
+        self._wake_weights()
+        if self.on_gpu:
+            self.llm.wake_up(tags=["kv_cache"])
+        try:
+            yield
+        finally:
+            self._sleep()
 
     def _wake_weights(self) -> None:
         if self._weights_asleep:
