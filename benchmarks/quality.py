@@ -1,10 +1,12 @@
-"""RL quality with error bars: dense AdamW vs LoRA r=256 vs LoGRA r=256, and time to quality.
+"""RL quality with error bars: dense AdamW vs LoRA r=256 vs LoGRA r=256 and ``rank: auto``
+(r=64 on this model), and time to quality.
 
 The task is the quickstart's: SmolLM2-135M-Instruct on one-digit arithmetic
 (``arithmetic:1``, instruction " Answer with just the number."), GRPO, 4 prompts x 8
 samples per step. The three methods run from ``configs/quickstart.yaml`` (LoGRA),
 ``quickstart_dense.yaml`` and ``quickstart_lora.yaml`` through the ``logra`` CLI; only the
-step count, the validation schedule and set, the seed and the swept value are overridden.
+step count, the validation schedule and set, the seed and the swept value are overridden
+(and, for ``logra_rank_auto``, ``logra.rank: auto``, which decides the quickstart's rank).
 
 Protocol, fixed before measuring:
 1. Each method's sweep (``SWEEPS``, three points each: dense and LoRA the learning rate,
@@ -23,7 +25,7 @@ Protocol, fixed before measuring:
 
 Validation pass@1: the mean correctness of 4 samples (temperature 0.7, top-p 0.7) on each
 of ``VAL_SIZE`` held-out prompts. To fit the whole script in 2 hours on 2 cores the
-validation set is 24 prompts (96 samples; the comparison itself, 3 points x 3 methods and
+validation set is 24 prompts (96 samples; the comparison itself, 3 points x 4 methods and
 3 seeds of each best point, is not reduced). Selecting on the validation set flatters
 every method alike.
 
@@ -53,22 +55,26 @@ VAL_EVERY = 3
 VAL_SIZE = 24
 SEEDS = (0, 1, 2)  # the sweep runs with the first; the best point with the others too
 MAX_EXTENSIONS = 2
-CONFIGS = {"dense": "configs/quickstart_dense.yaml", "lora": "configs/quickstart_lora.yaml", "logra": "configs/quickstart.yaml"}
+CONFIGS = {"dense": "configs/quickstart_dense.yaml", "lora": "configs/quickstart_lora.yaml", "logra": "configs/quickstart.yaml",
+           "logra_rank_auto": "configs/quickstart.yaml"}
+LOGRA_METHODS = ("logra", "logra_rank_auto")
 # Swept values in increasing order; chosen before measuring (2026-12-01) around each
 # method's best point of the earlier two-point sweeps (dense 1e-5, LoRA 3e-5, LoGRA 5e-3).
-SWEEPS = {"dense": (3e-6, 1e-5, 3e-5), "lora": (1e-5, 3e-5, 1e-4), "logra": (2e-3, 5e-3, 1.25e-2)}
+SWEEPS = {"dense": (3e-6, 1e-5, 3e-5), "lora": (1e-5, 3e-5, 1e-4), "logra": (2e-3, 5e-3, 1.25e-2),
+          "logra_rank_auto": (2e-3, 5e-3, 1.25e-2)}
 TARGETS = {"logra_gain_over_dense": 0.95, "quality_fraction": 0.90, "total_hours": 2.0}
 
 
 def overrides(method: str, value: float) -> list[str]:
-    if method == "logra":
+    if method in LOGRA_METHODS:
+        rank = ["--trainer.strategy.init_args.logra.rank=auto"] if method == "logra_rank_auto" else []
         return [f"--trainer.strategy.init_args.logra.kl_budget={value:g}",
-                f"--trainer.strategy.init_args.logra.kl_budget_final={value / 4:g}"]
+                f"--trainer.strategy.init_args.logra.kl_budget_final={value / 4:g}", *rank]
     return [f"--model.init_args.optimizer.lr={value:g}"]
 
 
 def label(method: str, value: float) -> str:
-    return f"{'budget' if method == 'logra' else 'lr'}={value:g}"
+    return f"{'budget' if method in LOGRA_METHODS else 'lr'}={value:g}"
 
 
 class Runs:
@@ -96,7 +102,7 @@ class Runs:
         arguments = ["fit", "-c", CONFIGS[method], *self.common(seed), f"--trainer.max_steps={self.steps}",
                      f"--trainer.val_check_interval={self.val_every}", f"--trainer.logger.init_args.run_name={name}",
                      *overrides(method, value)]
-        if method == "logra":
+        if method in LOGRA_METHODS:
             arguments.append(f"--trainer.strategy.init_args.logra.schedule_steps={self.steps}")
         print(f"{name}: {self.steps} steps", flush=True)
         seconds = run_logra(arguments, self.environment, self.work / f"{name}.log")
@@ -165,16 +171,18 @@ def summarise(result: dict) -> dict:
         # infinitely slow (None when most seeds never reached it).
         median = statistics.median(math.inf if t is None else t for t in times)
         entry["time_to_quality_median_s"] = None if math.isinf(median) else median
-    dense, logra = best["dense"], best["logra"]
-    logra_time, dense_time = logra["time_to_quality_median_s"], dense["time_to_quality_median_s"]
-    return {
-        "best": best,
-        "quality_threshold_points": 100 * threshold,
-        "logra_gain_over_dense": logra["gain_mean"] / dense["gain_mean"] if dense["gain_mean"] else None,
-        "logra_gain_met": dense["gain_mean"] > 0 and logra["gain_mean"] >= TARGETS["logra_gain_over_dense"] * dense["gain_mean"],
-        "logra_time_met": logra_time is not None and (dense_time is None or logra_time <= dense_time),
-        "within_budget": result["total_seconds"] <= TARGETS["total_hours"] * 3600,
-    }
+    dense = best["dense"]
+    dense_time = dense["time_to_quality_median_s"]
+    summary = {"best": best, "quality_threshold_points": 100 * threshold,
+               "within_budget": result["total_seconds"] <= TARGETS["total_hours"] * 3600}
+    for method in LOGRA_METHODS:
+        logra = best[method]
+        logra_time = logra["time_to_quality_median_s"]
+        summary[f"{method}_gain_over_dense"] = logra["gain_mean"] / dense["gain_mean"] if dense["gain_mean"] else None
+        summary[f"{method}_gain_met"] = (dense["gain_mean"] > 0
+                                         and logra["gain_mean"] >= TARGETS["logra_gain_over_dense"] * dense["gain_mean"])
+        summary[f"{method}_time_met"] = logra_time is not None and (dense_time is None or logra_time <= dense_time)
+    return summary
 
 
 def render(result: dict) -> str:
@@ -190,15 +198,17 @@ def render(result: dict) -> str:
         times = ", ".join("not reached" if t is None else f"{t:.0f}" for t in entry["time_to_quality_s"])
         median = "not reached" if entry["time_to_quality_median_s"] is None else f"{entry['time_to_quality_median_s']:.0f}"
         lines.append(f"| {method} | {entry['setting']} | {entry['gain_mean']:+.1f} +- {entry['gain_std']:.1f} | {times} | {median} |")
-    ratio = summary["logra_gain_over_dense"]
+    lines += ["", f"Quality threshold: the untrained pass@1 + {summary['quality_threshold_points']:.1f} points "
+                  f"({100 * TARGETS['quality_fraction']:.0f}% of dense AdamW's mean gain)."]
+    for method in LOGRA_METHODS:
+        ratio = summary[f"{method}_gain_over_dense"]
+        lines.append(
+            f"{method}: mean gain / dense mean gain = {'n/a' if ratio is None else f'{ratio:.2f}'} (target >= "
+            f"{TARGETS['logra_gain_over_dense']}: {'met' if summary[f'{method}_gain_met'] else 'missed'}); time to quality <= "
+            f"dense AdamW's: {'met' if summary[f'{method}_time_met'] else 'missed'}.")
     lines += [
-        "",
-        f"Quality threshold: the untrained pass@1 + {summary['quality_threshold_points']:.1f} points "
-        f"({100 * TARGETS['quality_fraction']:.0f}% of dense AdamW's mean gain).",
-        f"LoGRA mean gain / dense mean gain = {'n/a' if ratio is None else f'{ratio:.2f}'} (target >= "
-        f"{TARGETS['logra_gain_over_dense']}: {'met' if summary['logra_gain_met'] else 'missed'}); LoGRA time to quality <= "
-        f"dense AdamW's: {'met' if summary['logra_time_met'] else 'missed'}; the whole script took "
-        f"{result['total_seconds'] / 3600:.2f} h (target <= {TARGETS['total_hours']:g}: {'met' if summary['within_budget'] else 'missed'}).",
+        f"The whole script took {result['total_seconds'] / 3600:.2f} h (target <= {TARGETS['total_hours']:g}: "
+        f"{'met' if summary['within_budget'] else 'missed'}).",
         *([""] + [f"Sweep extended: {note}." for note in result["notes"]] if result["notes"] else []),
         "",
         f"{machine_line(result['machine'])}; {result['steps']} steps, validation every {result['val_every']}; "
@@ -213,7 +223,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"dense": "tab:blue", "lora": "tab:orange", "logra": "tab:green"}
+    colours = {"dense": "tab:blue", "lora": "tab:orange", "logra": "tab:green", "logra_rank_auto": "tab:red"}
     figure, (reward, validation) = plt.subplots(1, 2, figsize=(12, 4.2))
     for method, entry in result["summary"]["best"].items():
         repeats = [r for r in result["runs"] if r["method"] == method and r["setting"] == entry["setting"]]
