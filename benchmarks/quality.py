@@ -14,8 +14,10 @@ Protocol, fixed before measuring:
    The best point, by final validation pass@1, must not sit at the edge of its sweep: if
    it does, the sweep is extended one point at a time in that direction (the sweep's own
    ratio, at most ``MAX_EXTENSIONS`` points), and the result says so.
-2. Each method's best point runs again with seeds 1 and 2 (``seed_everything``: the
-   prompts drawn and every sample differ).
+2. Each method's best point runs again with seeds 1 and 2: the module's sampling seed,
+   the data module's seed (the prompts' order and the validation set), ``seed_everything``
+   and, for LoGRA, its projection seed (42 + seed) all change, so the prompts drawn, the
+   validation prompts and every sample differ.
 3. Reported per method: the mean +- standard deviation over the 3 seeds of the pass@1 gain
    (final minus the untrained model's, validated with the same seed), and the time to
    quality: wall-clock seconds from the start of a run until its validation pass@1 first
@@ -85,7 +87,10 @@ class Runs:
         self.environment = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}")
 
     def common(self, seed: int) -> list[str]:
-        return [f"--seed_everything={seed}", f"--data.init_args.val_size={self.val_size}",
+        # Every seed the run has: sampling (the module's), the prompts' order and the
+        # validation set (the data module's), and everything else (seed_everything).
+        return [f"--seed_everything={seed}", f"--model.init_args.seed={seed}", f"--data.init_args.seed={seed}",
+                f"--data.init_args.val_size={self.val_size}",
                 "--trainer.logger.init_args.experiment_name=quality", f"--trainer.default_root_dir={self.work}"]
 
     def untrained(self, seed: int) -> dict:
@@ -102,8 +107,9 @@ class Runs:
         arguments = ["fit", "-c", CONFIGS[method], *self.common(seed), f"--trainer.max_steps={self.steps}",
                      f"--trainer.val_check_interval={self.val_every}", f"--trainer.logger.init_args.run_name={name}",
                      *overrides(method, value)]
-        if method in LOGRA_METHODS:
-            arguments.append(f"--trainer.strategy.init_args.logra.schedule_steps={self.steps}")
+        if method in LOGRA_METHODS:  # its random projections are seeded too
+            arguments += [f"--trainer.strategy.init_args.logra.schedule_steps={self.steps}",
+                          f"--trainer.strategy.init_args.logra.seed={42 + seed}"]
         print(f"{name}: {self.steps} steps", flush=True)
         seconds = run_logra(arguments, self.environment, self.work / f"{name}.log")
         database = self.work / "mlflow.db"
