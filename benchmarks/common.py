@@ -140,7 +140,8 @@ def _phase_after_probe(logra, phase: Callable[[str], None]) -> Iterator[None]:
 
 
 def build_mode(mode: str, model, *, probe_responses: int, probe_max_tokens: int, compute_dtype=None,
-               hooks: StepHooks = StepHooks(), logprob_chunk: int | None = None) -> Runner:
+               hooks: StepHooks = StepHooks(), logprob_chunk: int | None = None,
+               shard: Callable[[Any], None] | None = None, sketch_accumulation: str = "auto") -> Runner:
     """``model`` (a Hugging Face causal LM) trained as ``mode``: activation checkpointing on,
     then dense AdamW (every parameter), LoRA r=256 (peft, the seven projections, AdamW over
     the adapters) or LoGRA r=256 (``LoGRAOptimizer``, which freezes everything else).
@@ -149,7 +150,9 @@ def build_mode(mode: str, model, *, probe_responses: int, probe_max_tokens: int,
     a flat KL budget of ``KL_BUDGET`` and the probe's rows and length, which each benchmark
     sets explicitly: ``probe_responses`` rows of at most ``probe_max_tokens`` real tokens.
     ``compute_dtype``: LoGRA's projection dtype (bf16 under autocast). ``logprob_chunk``:
-    positions per chunk of the token log-probs (default: the library's)."""
+    positions per chunk of the token log-probs (default: the library's). ``shard``: called
+    on the (peft-wrapped) model before the optimizer is built, e.g. to FSDP2-shard it;
+    ``sketch_accumulation``: LoGRA's setting of that name."""
     import torch
 
     from lightning_logra import LoGRAConfig, LoGRAOptimizer
@@ -165,9 +168,12 @@ def build_mode(mode: str, model, *, probe_responses: int, probe_max_tokens: int,
         with warnings.catch_warnings():  # peft asks transformers' deprecated `is_gradient_checkpointing`
             warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
             model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(LoGRAConfig().target_modules)))
+    if shard is not None:
+        shard(model)
     if mode == "logra":
         config = LoGRAConfig(rank=RANK, kl_budget=KL_BUDGET, kl_budget_final=KL_BUDGET, temperature=1.0,
-                             probe_responses=probe_responses, probe_max_tokens=probe_max_tokens)
+                             probe_responses=probe_responses, probe_max_tokens=probe_max_tokens,
+                             sketch_accumulation=sketch_accumulation)
         optimizer = LoGRAOptimizer(model, config, compute_dtype=compute_dtype)
     else:
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -275,7 +281,9 @@ def meta_memory_rows(names=None, world_sizes=(1, 8)) -> list[dict]:
             model = Qwen2ForCausalLM(Qwen2Config(**QWEN_SHAPES[name]))
         parameters = sum(p.numel() for p in model.parameters())
         for world in world_sizes:
-            rows.append({"model": name, "parameters": parameters, **memory_report(model, world_size=world).as_dict()})
+            local = memory_report(model, world_size=world, sketch_accumulation="local")
+            rows.append({"model": name, "parameters": parameters, **memory_report(model, world_size=world).as_dict(),
+                         "logra_state_local_bytes": local.logra_state_bytes})
         del model
     return rows
 

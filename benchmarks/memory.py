@@ -18,11 +18,16 @@ breakdown counts tensor bytes: weights, gradients, optimizer state, LoGRA state;
 activations and other temporaries are the rest of the peak. Step seconds are printed for
 orientation only: this allocator setting slows large allocations (speed: ``speed.py``).
 
-The second part is analytic: LoGRA's per-rank state (``memory_report``) for Qwen2.5-1.5B,
+With ``--world 2`` it measures the same step on 2 gloo processes (``memory_ranks.py``):
+the peak per rank of dense AdamW, LoRA and LoGRA with sharded and local sketch
+accumulation, and the sketch traffic per step, added to an existing results file.
+
+The last part is analytic: LoGRA's per-rank state (``memory_report``) for Qwen2.5-1.5B,
 7B, 14B and a 27B-class config at world sizes 1 and 8, built on the meta device, beside
 the reference's replicated float32 layout and dense AdamW's gradient + moments.
 
-    python benchmarks/memory.py    # writes results/memory.{json,md,png}
+    python benchmarks/memory.py              # writes results/memory.{json,md,png}
+    python benchmarks/memory.py --world 2    # adds the 2-process rows to them
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (MODES, RANK, argument_parser, build_mode, cpu_caption, machine_info, machine_line,  # noqa: E402
                     meta_memory_rows, save_figure, save_json, stacked_bars, write_outputs)
+from memory_ranks import RANK_MODES, measure_ranks  # noqa: E402
 from model_shapes import BENCH_156M, QWEN_SHAPES  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -136,19 +142,51 @@ def render(result: dict) -> str:
         probe = rows["logra"]["peak_after_mib"]
         lines += ["", "; ".join(verdicts) + ".",
                   f"LoGRA's peak before the KL probe was {probe['forward_backward']:,.0f} MiB, after it {probe['kl_probe']:,.0f} MiB.", ""]
+    lines += render_two_ranks(result)
     lines += [
         f"{machine_line(result['machine'])}, allocator: {result['allocator']}; "
         f"model {result['model']}; {MICRO_BATCHES} x {TOKENS} tokens, rank {RANK}, activation checkpointing in every mode.",
         "",
         "### Analytic per-rank state (meta device, `memory_report`, rank 256, bf16 compute)",
         "",
-        "| model | parameters | world | LoGRA state GiB | reference layout GiB | dense AdamW grad + moments GiB |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| model | parameters | world | LoGRA state GiB | of it: accumulator + scratch | with local accumulation | "
+        "reference layout GiB | dense AdamW grad + moments GiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["analytic"]:
+        accumulator = row["sketch_accumulator_bytes"] + row.get("accumulation_scratch_bytes", 0)
+        local = row.get("logra_state_local_bytes", row["logra_state_bytes"])
         lines.append(f"| {row['model']} | {row['parameters'] / 1e9:.2f}B | {row['world_size']} | {row['logra_state_bytes'] / 2**30:.3f} | "
+                     f"{accumulator / 2**30:.3f} | {local / 2**30:.3f} | "
                      f"{row['reference_bytes'] / 2**30:.3f} | {row['dense_adamw_bytes'] / 2**30:.2f} |")
     return "\n".join(lines)
+
+
+def render_two_ranks(result: dict) -> list[str]:
+    if "two_ranks" not in result:
+        return []
+    two = result["two_ranks"]
+    rows = {(row["mode"], row["rank"]): row for row in two["rows"]}
+    single = {row["mode"]: row["training_memory_mib"]
+              for row in next(r for r in result["runs"] if r["logprob_chunk"] == result["library_logprob_chunk"])["modes"]}
+    lines = ["### 2 processes (gloo, FSDP2 over both), the same step on each rank", "",
+             "| mode | peak MiB rank 0 / 1 | one process | after build (sharded weights) | peak before optimizer / probe "
+             "| sketch accumulator MiB | sketch MB sent per rank per step | loopback MB per step (both ranks, all traffic) | step s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for mode in RANK_MODES:
+        pair = [rows[(mode, rank)] for rank in range(2)]
+        first = pair[0]
+        sketch = f"{first['sketch_buffer_mib']:,.0f} (+{first['scratch_mib']:,.0f} scratch)" if "sketch_buffer_mib" in first else "-"
+        sent = f"{first['sketch_bytes_sent'] / 1e6:,.1f}" if "sketch_bytes_sent" in first else "-"
+        lines.append(f"| {mode} | {pair[0]['peak_mib']:,.0f} / {pair[1]['peak_mib']:,.0f} | {single[mode.split('_')[0]]:,.0f} | "
+                     f"{first['after_build_mib']:,.0f} | {first['peak_after_mib']['forward_backward']:,.0f} | {sketch} | {sent} | "
+                     f"{first['loopback_bytes_step'] / 1e6:,.0f} | {first['step_seconds']:.1f} |")
+    peak = {mode: max(rows[(mode, rank)]["peak_mib"] for rank in range(2)) for mode in RANK_MODES}
+    lines += ["", f"Largest rank: LoGRA (sharded) / dense AdamW = **{peak['logra_sharded'] / peak['dense']:.3f}**, "
+                  f"/ LoRA = {peak['logra_sharded'] / peak['lora']:.3f}; sharded / local accumulation = "
+                  f"{peak['logra_sharded'] / peak['logra_local']:.3f}.",
+              f"{machine_line(two['machine'])}; command: `{two['command']}`.", ""]
+    return lines
 
 
 def plot(result: dict, path: Path) -> None:
@@ -160,21 +198,34 @@ def plot(result: dict, path: Path) -> None:
     parts = ("weights", "gradients", "optimizer_state", "logra_state", "activations_and_temporaries")
     run = next(r for r in result["runs"] if r["logprob_chunk"] == result["library_logprob_chunk"])
     rows = {row["mode"]: row for row in run["modes"]}
-    figure, (measured, analytic) = plt.subplots(1, 2, figsize=(12, 4.2))
+    two = result.get("two_ranks")
+    figure, axes = plt.subplots(1, 3 if two else 2, figsize=(18 if two else 12, 4.2))
+    measured, analytic = axes[0], axes[-1]
     stacked_bars(measured, list(MODES), {part.replace("_", " "): [rows[mode]["breakdown_mib"][part] / 1024 for mode in MODES]
                                          for part in parts})
     measured.set_ylabel("GiB (peak RSS above the pre-model baseline)")
     measured.set_title(f"One RL step, 156M Qwen2, {MICRO_BATCHES} x {TOKENS} tokens\n"
                        f"{cpu_caption(result['machine'])}, python benchmarks/memory.py", fontsize=9)
+    if two:
+        per_rank = axes[1]
+        peaks = {(row["mode"], row["rank"]): row["peak_mib"] / 1024 for row in two["rows"]}
+        for rank in range(2):
+            per_rank.bar([i + (rank - 0.5) * 0.4 for i in range(len(RANK_MODES))], [peaks[(m, rank)] for m in RANK_MODES], 0.4,
+                         label=f"rank {rank}")
+        per_rank.set_xticks(range(len(RANK_MODES)), [m.replace("_", "\n") for m in RANK_MODES], fontsize=8)
+        per_rank.set_ylabel("GiB per rank (peak RSS above the pre-model baseline)")
+        per_rank.set_title(f"The same step on 2 gloo processes, FSDP2\n{cpu_caption(two['machine'])}, "
+                           "python benchmarks/memory.py --world 2", fontsize=9)
     names = list(QWEN_SHAPES)
-    width = 0.27
-    for offset, (key, label) in enumerate([("logra_state_bytes", "LoGRA state"), ("reference_bytes", "reference layout"),
-                                           ("dense_adamw_bytes", "dense AdamW grad + moments")]):
-        values = [next(r[key] for r in result["analytic"] if r["model"] == n and r["world_size"] == 1) / 2**30 for n in names]
-        analytic.bar([i + (offset - 1) * width for i in range(len(names))], values, width, label=label)
+    width = 0.2
+    bars = [("logra_state_bytes", 1, "LoGRA state, 1 rank"), ("logra_state_bytes", 8, "LoGRA state per rank, 8 ranks"),
+            ("reference_bytes", 8, "reference layout per rank"), ("dense_adamw_bytes", 8, "dense AdamW grad + moments per rank, 8 ranks")]
+    for offset, (key, world, label) in enumerate(bars):
+        values = [next(r[key] for r in result["analytic"] if r["model"] == n and r["world_size"] == world) / 2**30 for n in names]
+        analytic.bar([i + (offset - 1.5) * width for i in range(len(names))], values, width, label=label)
     analytic.set_yscale("log")
     analytic.set_xticks(range(len(names)), names, fontsize=8)
-    analytic.set_ylabel("GiB per rank (world size 1, log scale)")
+    analytic.set_ylabel("GiB per rank (log scale)")
     analytic.set_title("Analytic optimizer-side state, rank 256 (meta device)", fontsize=9)
     save_figure(figure, path)
 
@@ -185,6 +236,7 @@ def main() -> None:
     parser.add_argument("--logprob-chunks", default=None,
                         help="comma-separated log-prob chunk sizes to measure (default: the library default, then 1024)")
     parser.add_argument("--glibc-default", action="store_true", help="keep glibc's adaptive mmap threshold")
+    parser.add_argument("--world", type=int, choices=(2,), help="measure the 2-process rows and add them to results/memory.json")
     args = parser.parse_args()
     from lightning_logra.modules.logprobs import DEFAULT_CHUNK_SIZE
 
@@ -193,6 +245,12 @@ def main() -> None:
         return
     if args.render:
         result = json.loads(args.render.read_text())
+    elif args.world:
+        result = json.loads((RESULTS / "memory.json").read_text())
+        result["two_ranks"] = {"command": " ".join(["python", "benchmarks/memory.py", *sys.argv[1:]]), "machine": machine_info(),
+                               "rows": measure_ranks(_environment(args), TOKENS, MICRO_BATCHES, args.world)}
+        result["analytic"] = meta_memory_rows()  # memory_report changed with sharded accumulation
+        save_json(RESULTS / "memory.json", result)
     else:
         result = measure(args, DEFAULT_CHUNK_SIZE)
     write_outputs(RESULTS / "memory", result, render, plot)
@@ -200,9 +258,7 @@ def main() -> None:
 
 def measure(args, default_chunk: int) -> dict:
     chunks = [int(c) for c in args.logprob_chunks.split(",")] if args.logprob_chunks else [default_chunk, 1024]
-    environment = dict(os.environ)
-    if not args.glibc_default:
-        environment["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    environment = _environment(args)
     runs = []
     for chunk in dict.fromkeys(chunks):
         modes = []
@@ -226,6 +282,13 @@ def measure(args, default_chunk: int) -> dict:
     }
     save_json(RESULTS / "memory.json", result)
     return result
+
+
+def _environment(args) -> dict:
+    environment = dict(os.environ)
+    if not args.glibc_default:
+        environment["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    return environment
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ class LoGRAConfig:
     probe_responses: int = 2
     probe_max_tokens: int = 4096
     probe_position_chunk: int = 128  # attention queries / scored positions per block in the probe
+    probe_mlp_chunk: int = 512  # (ours) tokens per chunk of the probe's position-wise MLPs: their activations' memory
     mismatch_subtraction: bool = True
     mismatch_ema_weight: float = 0.3
     mismatch_budget_floor: float = 0.5
@@ -76,6 +77,11 @@ class LoGRAConfig:
     # layout (beyond the reference): "auto" reduce-scatters sketches by weight rows when
     # the weights are row-sharded over more than one rank, else all-reduces them.
     sketch_reduction: Literal["auto", "all_reduce", "reduce_scatter"] = "auto"
+    # (ours) under the reduce-scatter layout, "sharded" reduce-scatters each layer's
+    # contribution in backward, per micro-batch, so a rank accumulates only its own rows;
+    # "local" accumulates every row and reduces once per step (fewer collectives when
+    # there are many micro-batches). "auto": sharded whenever sketches are reduce-scattered.
+    sketch_accumulation: Literal["auto", "sharded", "local"] = "auto"
     row_chunk: int = 256
     # reliability: a non-finite sketch, predicted KL or step scale skips the step (no
     # weight touched) or raises; too many skips in a row stop the run
@@ -138,6 +144,12 @@ class LoGRAConfig:
             isinstance(self.probe_position_chunk, int) and self.probe_position_chunk >= 1,
             "an integer >= 1",
         )
+        _require(
+            self,
+            "probe_mlp_chunk",
+            isinstance(self.probe_mlp_chunk, int) and self.probe_mlp_chunk >= 1,
+            "an integer >= 1",
+        )
         _require(self, "mismatch_subtraction", isinstance(self.mismatch_subtraction, bool), "true or false")
         _require(
             self,
@@ -153,6 +165,13 @@ class LoGRAConfig:
         )
         _choice(self, "update_factor_dtype", ("bfloat16", "float32"))
         _choice(self, "sketch_reduction", ("auto", "all_reduce", "reduce_scatter"))
+        _choice(self, "sketch_accumulation", ("auto", "sharded", "local"))
+        _require(
+            self,
+            "sketch_accumulation",
+            not (self.sketch_accumulation == "sharded" and self.sketch_reduction == "all_reduce"),
+            "'local' or 'auto' with sketch_reduction='all_reduce' (every rank then needs every row)",
+        )
         _require(self, "row_chunk", isinstance(self.row_chunk, int) and self.row_chunk >= 1, "an integer >= 1")
         _choice(self, "on_nonfinite", ("skip", "raise"))
         _require(

@@ -6,13 +6,19 @@ Two layouts, one interface, so that the optimizer reads like the spec whatever t
   every row; with row-sharded weights each rank then keeps the rows it updates.
 - ``ShardedRows`` (ours): sketches are reduce-scattered along rows to the rank that owns
   those weight rows; RowAdam runs on owned rows only, its per-layer scalars all-reduced.
+  With sharded accumulation the reduce-scatter already happened in backward, per layer
+  and micro-batch (``sharded_accumulation.py``), and each rank accumulates its rows only.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
+from lightning_logra.sharded_accumulation import ShardedAccumulator, check_backward_calls
 from lightning_logra.sketch import SketchSet, SketchState, local_row_range
 
 
@@ -23,9 +29,23 @@ class RowLayout:
         self.sketches = sketches
         self.weight_group = weight_group  # None: every rank holds whole weights
         self.rows = [local_row_range(state.weight) for state in sketches]
+        # Bytes this rank has sent reducing sketches, as a ring algorithm sends them
+        # (all-reduce 2 (W - 1) / W of the buffer, reduce-scatter (W - 1) / W).
+        self.reduced_bytes_sent = 0
+
+    @property
+    def sketch_bytes_sent(self) -> int:
+        return self.reduced_bytes_sent
 
     # RowAdam reduces its per-layer scalars over this group (None: each rank has whole layers)
     row_group: dist.ProcessGroup | None = None
+    accumulation = "local"
+
+    def backward_calls(self, calls: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        """This rank's backward passes per target, summed over ``group``."""
+        if group is not None:
+            dist.all_reduce(calls, op=dist.ReduceOp.SUM, group=group)
+        return calls
 
     def sum_over_shards(self, values: torch.Tensor) -> None:
         """Sum per-rank partial sums over the owned rows (weight norms, update norms)."""
@@ -37,6 +57,13 @@ class RowLayout:
         if self.weight_group is None:
             return directions
         return [_gather_rows(d, state.weight.shape[0], self.weight_group) for d, state in zip(directions, self.sketches)]
+
+    def row_gatherers(self) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
+        """Per target, what turns this rank's rows of a direction into every row when the
+        probe reaches the layer (None: the rank holds every row already)."""
+        if self.weight_group is None:
+            return [None] * len(self.sketches)
+        return [functools.partial(_gather_rows, rows=state.weight.shape[0], group=self.weight_group) for state in self.sketches]
 
 
 class ReplicatedRows(RowLayout):
@@ -52,6 +79,7 @@ class ReplicatedRows(RowLayout):
         world = dist.get_world_size(group) if group is not None else 1
         if world > 1:
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+            self.reduced_bytes_sent += 2 * buffer.numel() * buffer.element_size() * (world - 1) // world
         buffer.div_(world * tokens)
         return [state.sketch for state in self.sketches]
 
@@ -67,6 +95,22 @@ class ReplicatedRows(RowLayout):
 class ShardedRows(RowLayout):
     name = "reduce_scatter"
 
+    def __init__(self, sketches: SketchSet, weight_group: dist.ProcessGroup, accumulate_sharded: bool) -> None:
+        super().__init__(sketches, weight_group)
+        self.accumulator = ShardedAccumulator(sketches, self.rows, weight_group) if accumulate_sharded else None
+        self.accumulation = "sharded" if accumulate_sharded else "local"
+
+    def backward_calls(self, calls: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        """Per target, the passes of the rank that ran most (zero on every rank, or not);
+        with sharded accumulation every rank must have run the same ones."""
+        if self.accumulator is None:
+            return super().backward_calls(calls, group)
+        return check_backward_calls(calls, group, [state.name for state in self.sketches])
+
+    @property
+    def sketch_bytes_sent(self) -> int:
+        return self.reduced_bytes_sent + (self.accumulator.bytes_sent if self.accumulator is not None else 0)
+
     @property
     def row_group(self) -> dist.ProcessGroup | None:
         return self.weight_group
@@ -79,6 +123,9 @@ class ShardedRows(RowLayout):
         """This rank's rows of S_hat, reduce-scattered over the weight shards' group."""
         group = self.weight_group
         world = dist.get_world_size(group)
+        if self.accumulator is not None:  # reduced in backward already
+            self.accumulator.wait()
+            return [state.sketch.div_(world).div_(tokens) for state in self.sketches]
         pending = []
         for state, (start, stop) in zip(self.sketches, self.rows):
             rows, rank = state.sketch.shape
@@ -93,6 +140,7 @@ class ShardedRows(RowLayout):
                 source[:rows] = state.sketch
                 received = torch.empty(chunk, rank, dtype=source.dtype, device=source.device)
             work = dist.reduce_scatter_single(received, source, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            self.reduced_bytes_sent += source.numel() * source.element_size() * (world - 1) // world
             pending.append((work, received, stop - start))
         local = []
         for work, received, count in pending:
@@ -112,15 +160,18 @@ class ShardedRows(RowLayout):
                                   shape=(rows, 1), stride=(1, 1))
 
 
-def make_layout(requested: str, sketches: SketchSet) -> RowLayout:
-    """``auto``: reduce-scatter when the weights are row-sharded over more than one rank."""
+def make_layout(requested: str, sketches: SketchSet, accumulation: str = "auto") -> RowLayout:
+    """``auto``: reduce-scatter when the weights are row-sharded over more than one rank,
+    and then (``accumulation`` ``auto`` or ``sharded``) already in backward."""
     group = weight_group(sketches)
     world = dist.get_world_size(group) if group is not None else 1
     if requested == "reduce_scatter" and group is None and dist.is_available() and dist.is_initialized() \
             and dist.get_world_size() > 1:
         raise ValueError("sketch_reduction='reduce_scatter' needs target weights row-sharded with FSDP2")
     sharded = group is not None and world > 1 and requested in ("auto", "reduce_scatter")
-    return ShardedRows(sketches, group) if sharded else ReplicatedRows(sketches, group)
+    if not sharded:
+        return ReplicatedRows(sketches, group)
+    return ShardedRows(sketches, group, accumulate_sharded=accumulation in ("auto", "sharded"))
 
 
 def weight_group(sketches: SketchSet) -> dist.ProcessGroup | None:

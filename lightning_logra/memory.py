@@ -15,6 +15,7 @@ from torch import nn
 from lightning_logra.config import LoGRAConfig
 from lightning_logra.projected_input import projection_groups
 from lightning_logra.projection import projection_storage_dtype, resolve_rank
+from lightning_logra.sharded_accumulation import SCRATCH_SLOTS
 from lightning_logra.sketch import find_targets
 
 FLOAT32 = 4
@@ -25,13 +26,17 @@ class MemoryReport:
     """Bytes per rank. ``logra_state_bytes`` is what LoGRA adds to the model's weights;
     ``dense_adamw_bytes`` is a float32 gradient plus AdamW's two moments for the same
     target weights (sharded over the ranks, as FSDP does); ``reference_bytes`` is the
-    reference layout (float32 sketches and projections replicated on every rank)."""
+    reference layout (float32 sketches and projections replicated on every rank). With
+    sharded accumulation the accumulator holds the rank's rows only, and
+    ``accumulation_scratch_bytes`` is the slots that carry one layer's full contribution
+    while it is reduce-scattered."""
 
     layers: int
     target_parameters: int
     rank: int
     world_size: int
     sketch_accumulator_bytes: int
+    accumulation_scratch_bytes: int
     projection_bytes: int
     second_moment_bytes: int
     logra_state_bytes: int
@@ -49,21 +54,26 @@ def memory_report(
     world_size: int = 1,
     compute_dtype: torch.dtype = torch.bfloat16,
     sketch_reduction: str | None = None,
+    sketch_accumulation: str | None = None,
 ) -> MemoryReport:
     """LoGRA's per-rank memory for ``model``'s targets at ``world_size`` data-parallel ranks.
 
-    Every rank accumulates a full float32 sketch (its own tokens touch every row); the
-    reduced sketch and the RowAdam directions live inside that accumulator. Under the
-    reduce-scatter layout (default when world_size > 1) each rank reduces, scales and keeps
-    moments for its own rows only, and the traffic is a reduce-scatter instead of an
-    all-reduce; under all-reduce every rank repeats the work on every row. The update's transient workspace (one
-    layer's rows x rank plus one 256-row chunk) is not counted.
+    Under the reduce-scatter layout (default when world_size > 1) each rank reduces, scales
+    and keeps moments for its own rows only; with sharded accumulation (its default) it
+    also accumulates only those rows, each layer's contribution reduce-scattered in backward
+    through ``ShardedAccumulator``'s scratch slots. With local accumulation, or under
+    all-reduce, every rank accumulates a full float32 sketch (its own tokens touch every
+    row). The reduced sketch and the RowAdam directions live inside the accumulator. Not
+    counted: the update's transient workspace (one layer's rows x rank plus one 256-row
+    chunk) and, when rows are sharded, the one layer's full-row direction that the probe
+    gathers at a time.
     """
     config = config or LoGRAConfig()
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     reduction = sketch_reduction or config.sketch_reduction
     sharded_rows = reduction in ("auto", "reduce_scatter") and world_size > 1
+    sharded_accumulation = sharded_rows and (sketch_accumulation or config.sketch_accumulation) in ("auto", "sharded")
     targets = find_targets(model, config.target_modules)
     rank = resolve_rank(config.rank, [module.in_features for _, module in targets])
     rows = sum(module.out_features for _, module in targets)
@@ -75,8 +85,10 @@ def memory_report(
     projection_dtype = projection_storage_dtype(rank, config.distribution, compute_dtype)
     projection_element = torch.empty((), dtype=projection_dtype).element_size()
 
-    owned_rows = -(-rows // world_size) if sharded_rows else rows
-    accumulator = rows * rank * FLOAT32
+    chunks = [-(-module.out_features // world_size) for _, module in targets]
+    owned_rows = sum(chunks) if sharded_rows else rows
+    accumulator = (owned_rows if sharded_accumulation else rows) * rank * FLOAT32
+    scratch = SCRATCH_SLOTS * max(chunks) * (world_size + 1) * rank * FLOAT32 if sharded_accumulation else 0
     # The reduced sketch becomes the RowAdam directions in place, inside the accumulator
     # (reduce-scatter receives each rank's rows into its own block of it). Only layers
     # whose rows do not split evenly over the ranks need a padded copy (not counted).
@@ -88,9 +100,10 @@ def memory_report(
         rank=rank,
         world_size=world_size,
         sketch_accumulator_bytes=accumulator,
+        accumulation_scratch_bytes=scratch,
         projection_bytes=projections,
         second_moment_bytes=moments,
-        logra_state_bytes=accumulator + projections + moments,
+        logra_state_bytes=accumulator + scratch + projections + moments,
         dense_adamw_bytes=-(-parameters // world_size) * 3 * FLOAT32,
         reference_bytes=(rows + widths) * rank * FLOAT32,
     )

@@ -52,7 +52,7 @@ from lightning_logra.update import (
 
 # What shrinks each phase's memory, for the error an out-of-memory in it raises.
 UPDATE_HINT = "logra.row_chunk (rows updated at a time), logra.rank"
-PROBE_HINT = "logra.probe_responses, logra.probe_max_tokens, logra.probe_position_chunk"
+PROBE_HINT = "logra.probe_responses, logra.probe_max_tokens, logra.probe_position_chunk, logra.probe_mlp_chunk"
 
 
 class LoGRAOptimizer(torch.optim.Optimizer):
@@ -88,7 +88,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.config = config
         self.sketches: SketchSet = sketches
         self.controller = KLController(config)
-        self.layout: RowLayout = make_layout(config.sketch_reduction, sketches)
+        self.layout: RowLayout = make_layout(config.sketch_reduction, sketches, config.sketch_accumulation)
         for state, moment in zip(sketches, self.layout.local_moments()):
             state.second_moment = moment
         self.update_count = 0
@@ -243,7 +243,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         return probe_predicted_kl(
             self.model, self.probe_layers(), probe,
             temperature=self._temperature(probe), max_tokens=config.probe_max_tokens,
-            position_chunk=config.probe_position_chunk, process_group=process_group,
+            position_chunk=config.probe_position_chunk, mlp_chunk=config.probe_mlp_chunk, process_group=process_group,
         )
 
     @torch.no_grad()
@@ -286,26 +286,24 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         return self._prepared
 
     def probe_layers(self) -> list[ProbeLayer]:
-        """The prepared update as the KL probe needs it: full-row directions per layer
-        (gathered from the owning ranks when rows are sharded)."""
+        """The prepared update as the KL probe needs it, per layer: the directions, which
+        the probe gathers from the owning ranks layer by layer when rows are sharded."""
         if self._prepared is None:
             raise RuntimeError("no update is prepared: call prepare_update() before probing it")
-        directions = self.layout.full_rows(self._prepared.directions)
         # A projection group shares P = X A^T in the probe too, through a cache of its own.
         probe_caches: dict[int, SharedProjectedInput] = {}
         return [
-            ProbeLayer(module=state.module, projection=state.projection, direction=direction,
+            ProbeLayer(module=state.module, projection=state.projection, direction=direction, gather_rows=gather,
                        shared=None if state.shared_input is None else probe_caches.setdefault(
                            id(state.shared_input), SharedProjectedInput(state.shared_input.members)))
-            for state, direction in zip(self.sketches, directions)
+            for state, direction, gather in zip(self.sketches, self._prepared.directions, self.layout.row_gatherers())
         ]
 
     def backward_calls(self, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-        """Backward passes that reached each target since the last step, summed over ``group``."""
+        """Backward passes that reached each target since the last step over ``group``
+        (summed; the most any rank ran, with sharded accumulation, which needs them equal)."""
         calls = torch.tensor([state.backward_calls for state in self.sketches], dtype=torch.float64, device=self.sketches.buffer.device)
-        if group is not None:
-            dist.all_reduce(calls, op=dist.ReduceOp.SUM, group=group)
-        return calls
+        return self.layout.backward_calls(calls, group)
 
     # ----------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -10,9 +10,7 @@ forms full logits.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -20,9 +18,9 @@ import torch.autograd.forward_ad as fwAD
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from lightning_logra.kl import kl_per_position, measured_kl
+from lightning_logra.probe_modules import chunks, eval_mode, probe_mode
 from lightning_logra.projected_input import SharedProjectedInput, project
 
 
@@ -34,13 +32,21 @@ class EmptyProbeError(FloatingPointError):
 
 @dataclass(frozen=True)
 class ProbeLayer:
-    """One target as the probe sees it: its module, projection A and full direction D, and
-    the cache its projection group shares P = X A^T through (``share_projection_by_input``)."""
+    """One target as the probe sees it: its module, projection A and direction D, and the
+    cache its projection group shares P = X A^T through (``share_projection_by_input``).
+
+    ``direction`` holds every row, or, with ``gather_rows``, this rank's rows only: the full
+    D is then gathered when the probe's forward reaches the layer and dropped after it, so
+    one layer's full direction exists at a time, as FSDP2 gathers one block's weights."""
 
     module: nn.Module
     projection: torch.Tensor  # rank x in_features
-    direction: torch.Tensor  # out_features x rank (every row, not only a local shard)
+    direction: torch.Tensor  # out_features x rank, or the rank's rows of it with gather_rows
     shared: SharedProjectedInput | None = None
+    gather_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def full_direction(self) -> torch.Tensor:
+        return self.direction if self.gather_rows is None else self.gather_rows(self.direction)
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,7 @@ def probe_predicted_kl(
     temperature: float | None = None,
     max_tokens: int | None = None,
     position_chunk: int = 128,
+    mlp_chunk: int = 512,
     process_group: dist.ProcessGroup | None = None,
 ) -> float:
     """Predicted KL of the update W -= D A of every layer at once, averaged over the scored
@@ -167,7 +174,8 @@ def probe_predicted_kl(
     The probe runs at most one full row's tokens per forward (short rows packed together),
     and SDPA attention in blocks of ``position_chunk`` queries, so neither the batch nor a
     (length x length) score matrix multiplies the memory of forward AD, which keeps a primal and a tangent of every
-    activation. Full-vocabulary logits exist for ``position_chunk`` positions at a time
+    activation; position-wise MLPs run ``mlp_chunk`` tokens at a time (``probe_modules``).
+    Full-vocabulary logits exist for ``position_chunk`` positions at a time
     when the model exposes its output head (``get_output_embeddings``). With a
     ``process_group`` the sum and count are all-reduced over it and every rank returns the
     global mean; ranks then run the same number of forwards (sharded models gather weights
@@ -179,12 +187,12 @@ def probe_predicted_kl(
     def accumulate(logits: torch.Tensor) -> None:
         primal, tangent = fwAD.unpack_dual(logits)
         tangent = torch.zeros_like(primal) if tangent is None else tangent
-        for chunk in _chunks(primal.shape[0], position_chunk):
+        for chunk in chunks(primal.shape[0], position_chunk):
             totals[0] += kl_per_position(primal[chunk], tangent[chunk], temperature=temperature).sum(dtype=torch.float64)
         totals[1] += primal.shape[0]
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    with _probe_mode(model, position_chunk), fwAD.dual_level():
+    with probe_mode(model, position_chunk, mlp_chunk), fwAD.dual_level():
         handles = [layer.module.register_forward_hook(_tangent_hook(layer)) for layer in layers]
         try:
             for inputs, scored in _forwards(batch, max_tokens, process_group):
@@ -216,7 +224,7 @@ def probe_logits(model: nn.Module, batch: ProbeBatch, *, max_tokens: int | None 
     """The float32 logits at the positions the probe scores, concatenated over rows (for
     measuring the true KL of an applied update at exactly the predicted positions)."""
     scored_logits = []
-    with _eval_mode(model):
+    with eval_mode(model):
         for inputs, scored in _forwards(batch, max_tokens, process_group):
             output = model(**inputs)
             scored_logits.append((output.logits if hasattr(output, "logits") else output)[scored].float())
@@ -260,7 +268,7 @@ def _tangent_hook(layer: ProbeLayer):
         dtype = primal.dtype
         inputs = fwAD.unpack_dual(args[0]).primal.to(dtype)
         projected = project(inputs, layer.projection) if layer.shared is None else layer.shared.project(inputs, layer.projection)
-        direction = layer.direction.to(dtype)
+        direction = layer.full_direction().to(dtype)
         if tangent is None:
             return fwAD.make_dual(primal, (projected @ direction.T).neg_().view_as(primal))
         if not tangent.is_contiguous():
@@ -280,121 +288,8 @@ def _chunked_head_hook(logits_mask: torch.Tensor, position_chunk: int, accumulat
     def hook(module: nn.Linear, args: tuple) -> tuple:
         hidden = args[0]
         selected = hidden[logits_mask]
-        for chunk in _chunks(selected.shape[0], position_chunk):
+        for chunk in chunks(selected.shape[0], position_chunk):
             accumulate(F.linear(selected[chunk], module.weight, module.bias))
         return (hidden[:, :1],) + tuple(args[1:])
 
     return hook
-
-
-def _chunks(total: int, size: int) -> Iterator[slice]:
-    for start in range(0, total, size):
-        yield slice(start, min(start + size, total))
-
-
-class _BlockedAttention(TorchFunctionMode):
-    """``F.scaled_dot_product_attention`` with a forward-mode derivative: the value from
-    the fused kernel, the tangent computed by hand in blocks of ``block`` queries, so a
-    (block x keys) score matrix is the largest it makes (``_AttentionWithTangent``).
-
-    Same semantics as SDPA: boolean masks keep True, float masks are added, ``is_causal``
-    is aligned top-left, grouped-query attention with ``enable_gqa``; a query that may
-    attend to nothing gets a zero output and tangent rather than NaN, so a masked padding
-    position cannot poison the tangents of the positions that follow it.
-    """
-
-    def __init__(self, block: int):
-        super().__init__()
-        self.block = block
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        return self._attention(*args, **kwargs)
-
-    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if dropout_p != 0.0:
-            raise ValueError("the KL probe runs the model in eval mode; attention dropout must be 0")
-        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-        return _AttentionWithTangent.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa, self.block)
-
-
-class _AttentionWithTangent(torch.autograd.Function):
-    """SDPA whose forward-mode tangent is written out: with S = scale * Q K^T (+ mask) and
-    P = softmax(S), d(P V) = P dV + (P * dS) V - rowsum(P * dS) * (P V), where
-    dS = scale * (dQ K^T + Q dK^T). About twice as fast as letting forward AD trace the
-    same blocked computation op by op, and the value keeps the fused kernel."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, block):
-        output = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
-                                                scale=scale, enable_gqa=enable_gqa)
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
-            output = torch.where(attn_mask.any(dim=-1, keepdim=True), output, torch.zeros_like(output))
-        ctx.save_for_forward(query, key, value, output)
-        ctx.attn_mask, ctx.is_causal, ctx.scale, ctx.block = attn_mask, is_causal, scale, block
-        return output
-
-    @staticmethod
-    def jvp(ctx, query_t, key_t, value_t, *_):
-        query, key, value, output = ctx.saved_tensors
-        query_t, key_t, value_t = (torch.zeros_like(x) if t is None else t for x, t in ((query, query_t), (key, key_t), (value, value_t)))
-        groups = query.shape[-3] // key.shape[-3]
-        if groups > 1:
-            key, value, key_t, value_t = (x.repeat_interleave(groups, dim=-3) for x in (key, value, key_t, value_t))
-        # dS = scale * [Q, dQ] [dK, K]^T: one matmul of twice the depth instead of two and a sum.
-        keys_for_score_t = torch.cat([key_t, key], dim=-1).transpose(-2, -1)
-        key_transposed = key.transpose(-2, -1)
-        attn_mask, scale = ctx.attn_mask, ctx.scale
-        blocks = []
-        for rows in _chunks(query.shape[-2], ctx.block):
-            # Under is_causal, keys after the block's last query are never attended: skip them.
-            keys = slice(0, min(rows.stop, key.shape[-2])) if ctx.is_causal else slice(None)
-            query_rows = query[..., rows, :] * scale  # scaling the block's queries, not its scores
-            scores = query_rows @ key_transposed[..., keys]
-            if ctx.is_causal:  # only the keys from the block's first query on can be in the future
-                future = torch.ones(rows.stop - rows.start, scores.shape[-1] - rows.start, dtype=torch.bool,
-                                    device=query.device).triu_(1)
-                scores[..., rows.start:].masked_fill_(future, float("-inf"))
-            if attn_mask is not None:
-                mask = attn_mask[..., rows, keys] if attn_mask.shape[-2] > 1 else attn_mask[..., keys]
-                scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-            weights = torch.softmax(scores, dim=-1)
-            if attn_mask is not None and attn_mask.dtype == torch.bool:
-                weights = torch.nan_to_num_(weights, nan=0.0)  # a query that sees nothing
-            weighted_score_t = (torch.cat([query_rows, query_t[..., rows, :] * scale], dim=-1) @ keys_for_score_t[..., keys]).mul_(weights)
-            tangent = weights @ value_t[..., keys, :]
-            tangent.add_(weighted_score_t @ value[..., keys, :])
-            tangent.sub_(weighted_score_t.sum(dim=-1, keepdim=True) * output[..., rows, :])
-            blocks.append(tangent)
-        return torch.cat(blocks, dim=-2)
-
-
-@contextmanager
-def _eval_mode(model: nn.Module):
-    """Eval mode, every module's train/eval flag restored afterwards, even on error."""
-    modes = [(module, module.training) for module in model.modules()]
-    try:
-        model.eval()
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
-@contextmanager
-def _probe_mode(model: nn.Module, attention_block: int):
-    """Eval mode, no grad, and blocked SDPA attention that supports forward AD; the
-    attention implementation is restored afterwards, even on error."""
-    config = getattr(model, "config", None)
-    attention = getattr(config, "_attn_implementation", None)
-    switch = attention not in (None, "eager", "sdpa") and hasattr(model, "set_attn_implementation")
-    try:
-        if switch:
-            model.set_attn_implementation("sdpa")
-        with _eval_mode(model), torch.no_grad(), _BlockedAttention(attention_block):
-            yield
-    finally:
-        if switch:
-            model.set_attn_implementation(attention)

@@ -10,7 +10,9 @@ Under non-reentrant activation checkpointing the hook runs twice per micro-batch
 forward, whose saved tensors the checkpoint drops, and the recompute), so there it saves X
 instead and computes P once, in backward, with the same matmul: the same sketch, bit for
 bit. With ``share_projection_by_input`` the targets that read one input tensor (q/k/v,
-gate/up) share one A, and P is computed once per group.
+gate/up) share one A, and P is computed once per group. Under FSDP2 with sharded
+accumulation the backward hands dY^T P to a ``ShardedAccumulator`` instead, which
+reduce-scatters it so that ``sketch`` holds only the rank's own rows.
 """
 
 from __future__ import annotations
@@ -46,13 +48,15 @@ class SketchState:
     name: str
     module: nn.Linear
     projection: torch.Tensor  # A: rank x in_features (one tensor object for a shared group)
-    sketch: torch.Tensor  # S: out_features x rank, float32, a view into one flat buffer
+    sketch: torch.Tensor  # S: out_features x rank, float32, a view into one flat buffer (owned rows only when sharded)
     second_moment: torch.Tensor  # v: one float32 entry per weight row (per owned row when row-sharded)
     backward_calls: int = 0
     handles: list[RemovableHandle] = field(default_factory=list, repr=False)
     # The name A's seed derives from: this layer's own, or its projection group's first member's.
     projection_name: str | None = None
     shared_input: SharedProjectedInput | None = field(default=None, repr=False)
+    # None: contributions add into ``sketch`` here; else a ShardedAccumulator reduces them
+    accumulator: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.projection_name is None:
@@ -79,6 +83,7 @@ class SketchSet:
 
     states: list[SketchState]
     buffer: torch.Tensor
+    accumulator: Any = None  # the ShardedAccumulator every state hands contributions to, if any
 
     def __iter__(self):
         return iter(self.states)
@@ -100,6 +105,8 @@ class SketchSet:
         return list(distinct.values())
 
     def zero_(self) -> None:
+        if self.accumulator is not None:
+            self.accumulator.discard()
         self.buffer.zero_()
         for state in self.states:
             state.backward_calls = 0
@@ -141,7 +148,10 @@ class _AccumulateSketch(torch.autograd.Function):
             with ctx.autocast.restored():
                 projected = state.project(saved)
         rows = grad_output.reshape(-1, grad_output.shape[-1])
-        _add_outer(state.sketch, rows, projected)
+        if state.accumulator is None:
+            _add_outer(state.sketch, rows, projected)
+        else:
+            state.accumulator.add(state, rows, projected)
         state.backward_calls += 1
         return grad_output, None, None, None
 

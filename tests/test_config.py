@@ -37,11 +37,18 @@ def test_defaults_match_the_paper():
         ("target_modules", ["model.q_proj"], "last name component"),
         ("mismatch_budget_floor", 1.5, "(0, 1]"),
         ("sketch_reduction", "ring", "'reduce_scatter'"),
+        ("sketch_accumulation", "eager", "'sharded'"),
     ],
 )
 def test_invalid_value_names_the_field_and_range(field, value, allowed):
     with pytest.raises(ValueError, match=rf"LoGRAConfig\.{field} = .*{re.escape(allowed)}"):
         LoGRAConfig(**{field: value})
+
+
+def test_sharded_accumulation_needs_the_reduce_scatter_layout():
+    with pytest.raises(ValueError, match=r"LoGRAConfig\.sketch_accumulation = 'sharded'.*sketch_reduction='all_reduce'"):
+        LoGRAConfig(sketch_accumulation="sharded", sketch_reduction="all_reduce")
+    assert LoGRAConfig(sketch_accumulation="auto", sketch_reduction="all_reduce").sketch_accumulation == "auto"
 
 
 def test_round_trips_through_omegaconf_and_yaml():

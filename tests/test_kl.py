@@ -142,6 +142,25 @@ def test_probe_under_bf16_autocast_matches_the_float32_probe():
     assert reference > 0
 
 
+def test_mlps_in_token_chunks_give_the_whole_row_prediction_and_are_restored():
+    from lightning_logra.probe_modules import position_wise_mlps
+
+    model, optimizer = prepared_model()
+    input_ids, attention_mask, logits_mask = sequences()
+    batch = ProbeBatch(input_ids, attention_mask, logits_mask)
+    whole = probe_predicted_kl(model, optimizer.probe_layers(), batch, mlp_chunk=input_ids.shape[1])
+    calls = []
+    mlps = position_wise_mlps(model)
+    handles = [mlp.down_proj.register_forward_hook(lambda module, args, output: calls.append(args[0].shape[-2])) for mlp in mlps]
+    chunked = probe_predicted_kl(model, optimizer.probe_layers(), batch, mlp_chunk=3)
+    for handle in handles:
+        handle.remove()
+    assert len(mlps) == 2 and set(calls) <= {1, 2, 3} and max(calls) == 3  # every MLP saw 3 tokens at a time at most
+    # Each token's MLP output depends on that token alone; the matmuls only change row blocks.
+    assert chunked == pytest.approx(whole, rel=1e-6)
+    assert all("forward" not in mlp.__dict__ for mlp in mlps)  # the class's forward again
+
+
 def test_chunked_head_path_equals_full_logits_path():
     model, optimizer = prepared_model()
     input_ids, attention_mask, logits_mask = sequences()
@@ -194,7 +213,7 @@ def test_probe_does_not_modify_weights_or_sketch_anything():
 
 @pytest.mark.parametrize("case", ["causal", "bool_mask", "float_mask", "gqa"])
 def test_blocked_probe_attention_equals_sdpa_in_value_and_tangent(case):
-    from lightning_logra.probe import _BlockedAttention
+    from lightning_logra.probe_modules import _BlockedAttention
 
     generator = torch.Generator().manual_seed(3)
     query, key, value, q_tangent, v_tangent = (torch.randn(2, 4, 11, 8, generator=generator, dtype=torch.float64) for _ in range(5))
@@ -228,7 +247,7 @@ def test_blocked_probe_attention_equals_sdpa_in_value_and_tangent(case):
 
 
 def test_blocked_probe_attention_gives_zero_for_a_query_that_sees_nothing():
-    from lightning_logra.probe import _BlockedAttention
+    from lightning_logra.probe_modules import _BlockedAttention
 
     query = key = value = torch.randn(1, 1, 3, 4)
     allowed = torch.ones(1, 1, 3, 3, dtype=torch.bool).tril()

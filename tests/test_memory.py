@@ -33,10 +33,18 @@ def test_row_sharding_divides_the_reduced_state_by_the_world_size():
     model = qwen2_7b_on_meta()
     replicated = memory_report(model, world_size=8, sketch_reduction="all_reduce")
     sharded = memory_report(model, world_size=8)
-    rows = 28 * 49_664
+    local = memory_report(model, world_size=8, sketch_accumulation="local")
+    rows = 28 * 49_664  # every layer's rows split evenly over 8 ranks
     assert replicated.second_moment_bytes == rows * 4 and sharded.second_moment_bytes == rows // 8 * 4
-    assert sharded.sketch_accumulator_bytes == replicated.sketch_accumulator_bytes
-    assert sharded.logra_state_bytes < replicated.logra_state_bytes
+    assert local.second_moment_bytes == sharded.second_moment_bytes
+    # Local accumulation keeps every row; sharded keeps the rank's rows plus two scratch
+    # slots for the widest layer (gate/up: 18,944 rows, 2,368 per rank, received + sent).
+    assert local.sketch_accumulator_bytes == replicated.sketch_accumulator_bytes == rows * 256 * 4
+    assert sharded.sketch_accumulator_bytes == rows // 8 * 256 * 4
+    assert sharded.accumulation_scratch_bytes == 2 * 2_368 * (8 + 1) * 256 * 4
+    assert local.accumulation_scratch_bytes == replicated.accumulation_scratch_bytes == 0
+    assert sharded.logra_state_bytes < local.logra_state_bytes < replicated.logra_state_bytes
+    assert sharded.logra_state_bytes <= 0.8 * 2**30  # the target for 7B at world 8 (0.747 GiB)
 
 
 def test_float32_compute_keeps_float32_projections_and_bad_world_size_is_an_error():

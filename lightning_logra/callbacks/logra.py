@@ -45,7 +45,7 @@ class LoGRACallback(Callback):
             optimizer = trainer.strategy.logra_optimizer
             compute = next(iter(optimizer.sketches)).projection.dtype
             report = memory_report(optimizer.model, optimizer.config, world_size=trainer.world_size, compute_dtype=compute,
-                                   sketch_reduction=optimizer.layout.name)
+                                   sketch_reduction=optimizer.layout.name, sketch_accumulation=optimizer.layout.accumulation)
             self._state_mib = (report.logra_state_bytes / MIB, report.dense_adamw_bytes / MIB)
         return {"memory/logra_state_mib": self._state_mib[0], "memory/dense_equivalent_mib": self._state_mib[1],
                 **{f"memory/{key}": value for key, value in peak_memory_mib().items()}}
