@@ -98,7 +98,10 @@ class ShardedRows(RowLayout):
     def __init__(self, sketches: SketchSet, weight_group: dist.ProcessGroup, accumulate_sharded: bool) -> None:
         super().__init__(sketches, weight_group)
         self.accumulator = ShardedAccumulator(sketches, self.rows, weight_group) if accumulate_sharded else None
-        self.accumulation = "sharded" if accumulate_sharded else "local"
+
+    @property
+    def accumulation(self) -> str:
+        return "local" if self.accumulator is None else "sharded"
 
     def backward_calls(self, calls: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         """Per target, the passes of the rank that ran most (zero on every rank, or not);

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -161,11 +161,7 @@ def probe_mode(model: nn.Module, attention_block: int, mlp_chunk: int):
     try:
         if switch:
             model.set_attn_implementation("sdpa")
-        with ExitStack() as stack:
-            stack.enter_context(eval_mode(model))
-            stack.enter_context(torch.no_grad())
-            stack.enter_context(_BlockedAttention(attention_block))
-            stack.enter_context(_mlps_in_token_chunks(model, mlp_chunk))
+        with eval_mode(model), torch.no_grad(), _BlockedAttention(attention_block), _mlps_in_token_chunks(model, mlp_chunk):
             yield
     finally:
         if switch:

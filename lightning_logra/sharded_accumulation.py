@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightning_logra.sketch import SketchSet, SketchState
+from lightning_logra.sketch import SketchSet, SketchState, add_outer
 
 # Two slots: one layer's reduction runs while the next layer's backward computes its own.
 SCRATCH_SLOTS = 2
@@ -91,10 +91,7 @@ class ShardedAccumulator:
         # zero, then add: the same arithmetic as a local accumulator's first micro-batch,
         # so one micro-batch per step reduces to the same bits as the per-step reduction
         contribution.zero_()
-        if grad_rows.dtype == torch.float32 and projected.dtype == torch.float32:
-            contribution[:rows].addmm_(grad_rows.T, projected)
-        else:
-            contribution[:rows].addmm_(grad_rows.T.float(), projected.float())
+        add_outer(contribution[:rows], grad_rows, projected)
         received = slot.received[:chunk]
         slot.work = dist.reduce_scatter_single(received, contribution, op=dist.ReduceOp.SUM, group=self.group,
                                                async_op=True)

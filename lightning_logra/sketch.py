@@ -149,14 +149,14 @@ class _AccumulateSketch(torch.autograd.Function):
                 projected = state.project(saved)
         rows = grad_output.reshape(-1, grad_output.shape[-1])
         if state.accumulator is None:
-            _add_outer(state.sketch, rows, projected)
+            add_outer(state.sketch, rows, projected)
         else:
             state.accumulator.add(state, rows, projected)
         state.backward_calls += 1
         return grad_output, None, None, None
 
 
-def _add_outer(sketch: torch.Tensor, grad_rows: torch.Tensor, projected: torch.Tensor) -> None:
+def add_outer(sketch: torch.Tensor, grad_rows: torch.Tensor, projected: torch.Tensor) -> None:
     """sketch += grad_rows^T @ projected, accumulated in float32."""
     if grad_rows.dtype == sketch.dtype and projected.dtype == sketch.dtype:
         sketch.addmm_(grad_rows.T, projected)
