@@ -1,9 +1,9 @@
 """Where one RL step's wall time goes: dense AdamW vs LoRA r=256 vs LoGRA r=256 on the
 quickstart task, phase by phase, from the ``perf/*`` metrics every run logs; and LoGRA with
-``rank: auto`` (64 on SmolLM2-135M), the rank rule for small models.
+``rank: auto`` (64 on SmolLM2-135M), the rank rule for small models and the quickstart's rank.
 
-The three quickstart configs (and the LoGRA one again with ``rank: auto``) run through the
-``logra`` CLI one after the other (same seeds, same prompts, the configs' 12 steps),
+The three quickstart configs (LoGRA at ``rank: 256``, and again at the quickstart's own
+``rank: auto``) run through the ``logra`` CLI one after the other (same seeds, same prompts, the configs' 12 steps),
 without validation so that only training steps are timed. Phases, as ``GRPOModule`` logs them: ``generation`` (HF ``generate``),
 ``rewards`` (scoring and advantages), ``forward_backward`` (every micro-batch),
 ``optimizer_step`` (AdamW, or the whole LoGRA update, itself split into
@@ -31,7 +31,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = {
     "dense": ("configs/quickstart_dense.yaml", []),
     "lora": ("configs/quickstart_lora.yaml", []),
-    "logra": ("configs/quickstart.yaml", []),
+    "logra": ("configs/quickstart.yaml", ["--trainer.strategy.init_args.logra.rank=256"]),
     "logra_rank_auto": ("configs/quickstart.yaml", ["--trainer.strategy.init_args.logra.rank=auto"]),
 }
 PHASES = ("generation", "rewards", "forward_backward", "optimizer_step", "weight_sync")

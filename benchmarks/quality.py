@@ -6,7 +6,8 @@ The task is the quickstart's: SmolLM2-135M-Instruct on one-digit arithmetic
 samples per step. The three methods run from ``configs/quickstart.yaml`` (LoGRA),
 ``quickstart_dense.yaml`` and ``quickstart_lora.yaml`` through the ``logra`` CLI; only the
 step count, the validation schedule and set, the seed and the swept value are overridden
-(and, for ``logra_rank_auto``, ``logra.rank: auto``, which decides the quickstart's rank).
+and ``logra.rank`` (256 for ``logra``, ``auto`` for ``logra_rank_auto``: these runs decided
+that the quickstart's rank is ``auto``).
 
 Protocol, fixed before measuring:
 1. Each method's sweep (``SWEEPS``, three points each: dense and LoRA the learning rate,
@@ -69,9 +70,10 @@ TARGETS = {"logra_gain_over_dense": 0.95, "quality_fraction": 0.90, "total_hours
 
 def overrides(method: str, value: float) -> list[str]:
     if method in LOGRA_METHODS:
-        rank = ["--trainer.strategy.init_args.logra.rank=auto"] if method == "logra_rank_auto" else []
+        rank = "auto" if method == "logra_rank_auto" else "256"
         return [f"--trainer.strategy.init_args.logra.kl_budget={value:g}",
-                f"--trainer.strategy.init_args.logra.kl_budget_final={value / 4:g}", *rank]
+                f"--trainer.strategy.init_args.logra.kl_budget_final={value / 4:g}",
+                f"--trainer.strategy.init_args.logra.rank={rank}"]
     return [f"--model.init_args.optimizer.lr={value:g}"]
 
 

@@ -24,7 +24,7 @@ data = PromptDataModule(train="arithmetic:1", val="arithmetic:1", tokenizer="smo
                         instruction=" Answer with just the number.", batch_size=4, train_size=512, val_size=24)
 trainer = L.Trainer(
     accelerator="cpu",
-    strategy=LoGRAFSDPStrategy(logra=LoGRAConfig(kl_budget=2e-3, kl_budget_final=5e-4, schedule_steps=12)),
+    strategy=LoGRAFSDPStrategy(logra=LoGRAConfig(rank="auto", kl_budget=2e-3, kl_budget_final=5e-4, schedule_steps=12)),
     callbacks=[LoGRACallback(), RunSummary(), StepProgressBar()],
     logger=MLFlowLogger(experiment_name="quickstart", run_name="logra-python", tracking_uri=default_tracking_uri()),
     max_steps=12, val_check_interval=6, check_val_every_n_epoch=None, num_sanity_val_steps=0,
