@@ -184,12 +184,11 @@ def probe_predicted_kl(
     temperature = batch.temperature if temperature is None else temperature
     totals = torch.zeros(2, dtype=torch.float64, device=batch.input_ids.device)  # (sum of KL, positions)
 
-    def accumulate(logits: torch.Tensor) -> None:
-        primal, tangent = fwAD.unpack_dual(logits)
-        tangent = torch.zeros_like(primal) if tangent is None else tangent
-        for chunk in chunks(primal.shape[0], position_chunk):
-            totals[0] += kl_per_position(primal[chunk], tangent[chunk], temperature=temperature).sum(dtype=torch.float64)
-        totals[1] += primal.shape[0]
+    def accumulate(logits: torch.Tensor, tangent: torch.Tensor | None) -> None:
+        tangent = torch.zeros_like(logits) if tangent is None else tangent
+        for chunk in chunks(logits.shape[0], position_chunk):
+            totals[0] += kl_per_position(logits[chunk], tangent[chunk], temperature=temperature).sum(dtype=torch.float64)
+        totals[1] += logits.shape[0]
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     with probe_mode(model, position_chunk, mlp_chunk), fwAD.dual_level():
@@ -204,7 +203,7 @@ def probe_predicted_kl(
                         head_hook.remove()
                 else:
                     output = model(**inputs)
-                    accumulate((output.logits if hasattr(output, "logits") else output)[scored])
+                    accumulate(*fwAD.unpack_dual((output.logits if hasattr(output, "logits") else output)[scored]))
         finally:
             for handle in handles:
                 handle.remove()
@@ -283,13 +282,21 @@ def _tangent_hook(layer: ProbeLayer):
 
 def _chunked_head_hook(logits_mask: torch.Tensor, position_chunk: int, accumulate):
     """Score the selected positions in chunks inside the head's own forward, then let the
-    head compute a single position: the full (batch x length x vocab) logits never exist."""
+    head compute a single position: the full (batch x length x vocab) logits never exist.
+
+    The head is linear and no target, so its tangent is the head applied to the hidden
+    state's tangent: both are computed as plain GEMMs. (Forward AD through ``F.linear``
+    copied the transposed vocabulary weight for every chunk: 2.6 s of a 14.9 s probe over
+    2 x 2,048 tokens with a 32k x 1,024 head.)"""
 
     def hook(module: nn.Linear, args: tuple) -> tuple:
         hidden = args[0]
-        selected = hidden[logits_mask]
+        selected, selected_tangent = fwAD.unpack_dual(hidden[logits_mask])
         for chunk in chunks(selected.shape[0], position_chunk):
-            accumulate(F.linear(selected[chunk], module.weight, module.bias))
-        return (hidden[:, :1],) + tuple(args[1:])
+            tangent = None if selected_tangent is None else F.linear(selected_tangent[chunk], module.weight)
+            accumulate(F.linear(selected[chunk], module.weight, module.bias), tangent)
+        # One position, as a plain tensor: its logits are never read, and a dual input
+        # would copy the weight once more.
+        return (fwAD.unpack_dual(hidden[:, :1]).primal,) + tuple(args[1:])
 
     return hook

@@ -80,23 +80,34 @@ class _AttentionWithTangent(torch.autograd.Function):
         keys_for_score_t = torch.cat([key_t, key], dim=-1).transpose(-2, -1)
         key_transposed = key.transpose(-2, -1)
         attn_mask, scale = ctx.attn_mask, ctx.scale
+        batch = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+        # The three (block x keys) matrices of every block live in one workspace: on CPU a
+        # fresh tensor that large is a fresh mapping whose page faults cost about as much
+        # as the block's arithmetic.
+        workspace = query.new_empty(3, batch.numel() * min(ctx.block, query.shape[-2]) * key.shape[-2])
         blocks = []
         for rows in chunks(query.shape[-2], ctx.block):
             # Under is_causal, keys after the block's last query are never attended: skip them.
-            keys = slice(0, min(rows.stop, key.shape[-2])) if ctx.is_causal else slice(None)
+            keys = slice(0, min(rows.stop, key.shape[-2])) if ctx.is_causal else slice(0, key.shape[-2])
+            shape = (*batch, rows.stop - rows.start, keys.stop)
+            scores, weights, weighted_score_t = (part[: math.prod(shape)].view(shape) for part in workspace)
             query_rows = query[..., rows, :] * scale  # scaling the block's queries, not its scores
-            scores = query_rows @ key_transposed[..., keys]
+            torch.matmul(query_rows, key_transposed[..., keys], out=scores)
             if ctx.is_causal:  # only the keys from the block's first query on can be in the future
                 future = torch.ones(rows.stop - rows.start, scores.shape[-1] - rows.start, dtype=torch.bool,
                                     device=query.device).triu_(1)
                 scores[..., rows.start:].masked_fill_(future, float("-inf"))
             if attn_mask is not None:
                 mask = attn_mask[..., rows, keys] if attn_mask.shape[-2] > 1 else attn_mask[..., keys]
-                scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-            weights = torch.softmax(scores, dim=-1)
+                if mask.dtype == torch.bool:
+                    scores.masked_fill_(~mask, float("-inf"))
+                else:
+                    scores.add_(mask)
+            torch.softmax(scores, dim=-1, out=weights)
             if attn_mask is not None and attn_mask.dtype == torch.bool:
-                weights = torch.nan_to_num_(weights, nan=0.0)  # a query that sees nothing
-            weighted_score_t = (torch.cat([query_rows, query_t[..., rows, :] * scale], dim=-1) @ keys_for_score_t[..., keys]).mul_(weights)
+                torch.nan_to_num_(weights, nan=0.0)  # a query that sees nothing
+            torch.matmul(torch.cat([query_rows, query_t[..., rows, :] * scale], dim=-1), keys_for_score_t[..., keys],
+                         out=weighted_score_t).mul_(weights)
             tangent = weights @ value_t[..., keys, :]
             tangent.add_(weighted_score_t @ value[..., keys, :])
             tangent.sub_(weighted_score_t.sum(dim=-1, keepdim=True) * output[..., rows, :])
@@ -132,7 +143,10 @@ def _mlps_in_token_chunks(model: nn.Module, tokens: int):
         def run(hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             if hidden.dim() < 2 or hidden.shape[-2] <= tokens:
                 return forward(hidden, *args, **kwargs)
-            return torch.cat([forward(hidden[..., rows, :], *args, **kwargs) for rows in chunks(hidden.shape[-2], tokens)], dim=-2)
+            # Contiguous, so each projection folds into one GEMM rather than a batched one
+            # over a copy of its weight per row of the batch.
+            return torch.cat([forward(hidden[..., rows, :].contiguous(), *args, **kwargs)
+                              for rows in chunks(hidden.shape[-2], tokens)], dim=-2)
 
         return run
 
