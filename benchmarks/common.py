@@ -86,7 +86,7 @@ class Runner:
         import torch
 
         from lightning_logra import ProbeBatch
-        from lightning_logra.modules.logprobs import sequence_logprobs
+        from lightning_logra.rl.logprobs import sequence_logprobs
 
         chunk = {} if self.logprob_chunk is None else {"chunk_size": self.logprob_chunk}
         times = {"forward_backward": 0.0, "update": 0.0, "kl_probe": 0.0}

@@ -240,7 +240,7 @@ def main() -> None:
     parser.add_argument("--glibc-default", action="store_true", help="keep glibc's adaptive mmap threshold")
     parser.add_argument("--world", type=int, choices=(2,), help="measure the 2-process rows and add them to results/memory.json")
     args = parser.parse_args()
-    from lightning_logra.modules.logprobs import DEFAULT_CHUNK_SIZE
+    from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE
 
     if args.mode:
         print(json.dumps(run_mode(args.mode, int(args.logprob_chunks or DEFAULT_CHUNK_SIZE))))

@@ -58,7 +58,7 @@ def run_mode(mode: str) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from lightning_logra import ProbeBatch
-    from lightning_logra.modules.logprobs import sequence_logprobs
+    from lightning_logra.rl.logprobs import sequence_logprobs
 
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)

@@ -25,9 +25,9 @@ class TinyLM(torch.nn.Module):
         self.last_batch = input_ids
         return self.model(input_ids=input_ids, labels=input_ids).loss
 
-    def logra_probe_batch(self) -> lightning_logra.ProbeBatch:
+    def logra_step_inputs(self) -> lightning_logra.LoGRAStepInputs:
         """Fabric has no training batch to borrow: the KL probe scores the last one."""
-        return lightning_logra.ProbeBatch.from_token_batch(self.last_batch)
+        return lightning_logra.LoGRAStepInputs(probe=lightning_logra.ProbeBatch.from_token_batch(self.last_batch))
 
 
 def main() -> None:

@@ -10,7 +10,11 @@ def pytest_collection_modifyitems(config, items):
     no_cuda = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
     no_vllm = pytest.mark.skip(reason="needs vLLM and a CUDA GPU; not installed here")
     has_vllm = importlib.util.find_spec("vllm") is not None
+    integration = pytest.mark.integration
     for item in items:
+        # The inner loop is `-m "not integration"`: every test that starts processes is one.
+        if "integration" in item.path.parts or "distributed" in item.keywords:
+            item.add_marker(integration)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_cuda)
         if "vllm" in item.keywords and not (has_vllm and torch.cuda.is_available()):

@@ -108,3 +108,15 @@ class TinyCausalLM(CausalLM):
 
     def train_dataloader(self):
         return loader(self.batch_size)
+
+
+def record_step_inputs(module) -> list:
+    """Keep every ``LoGRAStepInputs`` the strategy asks ``module`` for, one per optimizer step."""
+    recorded, step_inputs = [], module.logra_step_inputs
+
+    def recording():
+        recorded.append(step_inputs())
+        return recorded[-1]
+
+    module.logra_step_inputs = recording
+    return recorded

@@ -1,5 +1,6 @@
 from lightning_logra.callbacks.logra import LoGRACallback
+from lightning_logra.callbacks.model_summary import LoGRAModelSummary
 from lightning_logra.callbacks.progress import StepProgressBar
 from lightning_logra.callbacks.summary import RunSummary
 
-__all__ = ["LoGRACallback", "RunSummary", "StepProgressBar"]
+__all__ = ["LoGRACallback", "LoGRAModelSummary", "RunSummary", "StepProgressBar"]

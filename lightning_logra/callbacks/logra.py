@@ -9,7 +9,8 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_logra.memory import memory_report, peak_memory_mib
+from lightning_logra.core.memory import memory_report, peak_memory_mib
+from lightning_logra.hooks import last_step_report
 
 MIB = 2**20
 PROGRESS_BAR_KEYS = ("logra/predicted_kl", "logra/predicted_kl_scaled", "logra/alpha")
@@ -30,7 +31,7 @@ class LoGRACallback(Callback):
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        report = getattr(trainer.strategy, "last_report", None)
+        report = last_step_report(trainer)
         if report is None or report is self._logged:
             return
         self._logged = report

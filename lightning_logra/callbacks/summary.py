@@ -8,7 +8,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_logra.memory import peak_memory_mib
+from lightning_logra.core.memory import peak_memory_mib
 
 GIB = 2**30
 

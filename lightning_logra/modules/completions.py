@@ -6,7 +6,7 @@ from typing import Any
 
 from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger
 
-from lightning_logra.modules.sampling import ScoredRollouts
+from lightning_logra.rl.sampling import ScoredRollouts
 
 
 def completion_table(scored: ScoredRollouts, step: int, count: int) -> dict[str, list]:

@@ -19,13 +19,18 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
-from lightning_logra.modules.collectives import any_rank, gather_ranks, global_counts
+from lightning_logra.core.reliability import memory_phase
+from lightning_logra.hooks import LoGRAStepInputs, last_step_report
+from lightning_logra.models import enable_activation_checkpointing, load_policy, with_lora
 from lightning_logra.modules.completions import completion_table, log_completion_table
-from lightning_logra.modules.config import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
-from lightning_logra.modules.logprobs import DEFAULT_CHUNK_SIZE, sequence_logprobs
-from lightning_logra.modules.losses import RunningBaseline, group_advantages, micro_batch_loss, normalised_per_token
-from lightning_logra.modules.metrics import PassTotals, PhaseClock, step_metrics
-from lightning_logra.modules.sampling import (
+from lightning_logra.rewards.runner import RewardRunner
+from lightning_logra.rl.batch import BACKWARD_HINT, MicroBatching, RolloutBatch, backward_micro_batches
+from lightning_logra.rl.collectives import any_rank, gather_ranks
+from lightning_logra.rl.config import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
+from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE, sequence_logprobs
+from lightning_logra.rl.losses import RunningBaseline, group_advantages
+from lightning_logra.rl.metrics import PassTotals, PhaseClock, step_metrics
+from lightning_logra.rl.sampling import (
     ScoredRollouts,
     draw_prompts,
     fill_informative_groups,
@@ -33,15 +38,11 @@ from lightning_logra.modules.sampling import (
     sampling_seed,
     score_rollouts,
 )
-from lightning_logra.models import enable_activation_checkpointing, load_policy, with_lora
-from lightning_logra.reliability import memory_phase
-from lightning_logra.rewards.runner import RewardRunner
 
 DEFAULT_REWARD = "lightning_logra.rewards.math:math_reward"
 # What shrinks each phase's memory, for the error an out-of-memory in it raises.
 ROLLOUT_HINT = ("rollout.max_new_tokens, rollout.num_generations, prompts per step (data batch_size), "
                 "rollout.gpu_memory_utilization (vLLM)")
-BACKWARD_HINT = "micro_batch_size, activation_checkpointing=true, logprob_chunk_size"
 MAX_EMPTY_UPDATES = 8  # updates in a row with no token to train on before the run stops
 
 
@@ -123,11 +124,12 @@ class GRPOModule(L.LightningModule):
         self.val_pass_at_1 = MeanMetric()
         self.val_pass_at_n = MeanMetric()
         self._engine = None
-        self._last: dict[str, torch.Tensor] = {}
         self._empty_updates_in_a_row = 0
+        # The update whose optimizer step is running: what logra_step_inputs() reads.
+        self._stepping: tuple[RolloutBatch, slice, torch.Tensor] | None = None
         self._low_rank_updates: list[list] = []
 
-    # LoGRA hooks (read by the logra_fsdp strategy once per step; harmless elsewhere) -------
+    # LoGRA hooks (lightning_logra.hooks; read by the logra_fsdp strategy, unused elsewhere) ---
     def logra_model(self) -> torch.nn.Module:
         return self.policy
 
@@ -135,27 +137,19 @@ class GRPOModule(L.LightningModule):
         """The KL reference, which logra_fsdp keeps in the compute dtype and shards like the policy."""
         return [] if self.reference is None else [self.reference]
 
-    def logra_probe_batch(self) -> dict[str, torch.Tensor | float]:
-        """The step's rollouts, scored at the positions that generated their tokens, at the
-        sampling temperature. Rows come one per prompt first (then the second sample of
-        each prompt, ...), so the probe's first responses answer different prompts."""
-        n = self.rollout_config.num_generations
-        rows = self._last["input_ids"].shape[0]
-        order = torch.arange(rows, device=self._last["input_ids"].device).view(-1, n).T.reshape(-1)
-        batch = {key: self._last[key][order] for key in ("input_ids", "attention_mask", "logits_mask", "position_ids")}
-        return {**batch, "temperature": self.rollout_config.temperature}
-
-    def logra_low_rank_sync(self) -> bool:
-        """Whether LoGRA should hand over each update as (alpha D, seed): ``weight_sync: lowrank``."""
-        return self.rollout_config.weight_sync == "lowrank"
-
-    def logra_applied(self, updates: list) -> None:
-        """The low-rank form of one LoGRA update (``[]`` when nothing changed), for the next sync."""
-        self._low_rank_updates.append(updates)
-
-    def logra_logprob_pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rollout vs trainer log-probs of the completion tokens of EOS-terminated responses."""
-        return self._last["rollout_logprobs"], self._last["trainer_logprobs"], self._last["eos_mask"]
+    def logra_step_inputs(self) -> LoGRAStepInputs:
+        """The running update's rollouts as the probe batch, its rollout/trainer log-prob
+        pairs at the weights that sampled, and whether to record the update for a low-rank
+        weight sync (``rollout.weight_sync: lowrank``). The loss is a mean: 1 token."""
+        if self._stepping is None:
+            raise RuntimeError("logra_step_inputs() is called by the strategy during an optimizer step only")
+        batch, rows, trainer_logprobs = self._stepping
+        return LoGRAStepInputs(
+            probe=batch.probe_batch(rows, num_generations=self.rollout_config.num_generations,
+                                    temperature=self.rollout_config.temperature),
+            logprob_pairs=batch.logprob_pairs(rows, trainer_logprobs),
+            record_low_rank=self.rollout_config.weight_sync == "lowrank",
+        )
 
     # Training ---------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
@@ -175,11 +169,10 @@ class GRPOModule(L.LightningModule):
         mask = rollouts.completion_mask[:, 1:].bool()  # log-prob t scores token t + 1
         if self.loss_config.mask_truncated:
             mask = mask & rollouts.ended_with_eos[:, None]
-        rollout_logprobs = rollouts.rollout_logprobs[:, 1:]
-        reference_logprobs = old_logprobs = None
+        rollout_batch = RolloutBatch(rollouts, mask, rollouts.rollout_logprobs[:, 1:], advantages)
         if self.reference is not None:
             with torch.no_grad(), memory_phase("backward", BACKWARD_HINT):
-                reference_logprobs = self._logprobs(self.reference, input_ids, attention_mask)
+                rollout_batch.reference_logprobs = self._logprobs(self.reference, input_ids, attention_mask)
             if hasattr(self.reference, "reshard"):
                 # FSDP2 keeps a root module's gathered weights after a forward that no backward
                 # follows; the reference's embeddings and head would stay whole all step.
@@ -188,21 +181,20 @@ class GRPOModule(L.LightningModule):
         if self.num_iterations * self.mini_batches > 1:
             # The PPO ratio's denominator: the weights that sampled, before the first update.
             with torch.no_grad(), memory_phase("backward", BACKWARD_HINT):
-                old_logprobs = self._logprobs(self.policy, input_ids, attention_mask)
+                rollout_batch.old_logprobs = self._logprobs(self.policy, input_ids, attention_mask)
             phases.lap("old_logprobs")
 
         passes = PassTotals.zeros(self.device)
         for _ in range(self.num_iterations):
             for rows in mini_batches:
-                trained = self._update(rows, rollouts, mask, rollout_logprobs, advantages, old_logprobs, reference_logprobs,
-                                       passes, phases)
-                if old_logprobs is None:  # one update: its log-probs are those of the weights that sampled
-                    old_logprobs = trained
+                trained = self._update(rollout_batch, rows, passes, phases)
+                if rollout_batch.old_logprobs is None:  # one update: its log-probs are those of the weights that sampled
+                    rollout_batch.old_logprobs = trained
         self._sync_engine(passes.updates)
         phases.lap("weight_sync")
-        if old_logprobs is None:  # the one update had no token to train on: no gap to measure
-            old_logprobs = rollout_logprobs
-        metrics = step_metrics(scored, mask, rollout_logprobs, old_logprobs, passes,
+        # The one update had no token to train on: no gap to measure.
+        old_logprobs = rollout_batch.rollout_logprobs if rollout_batch.old_logprobs is None else rollout_batch.old_logprobs
+        metrics = step_metrics(scored, mask, rollout_batch.rollout_logprobs, old_logprobs, passes,
                                num_generations=self.rollout_config.num_generations, phase_seconds=phases.seconds,
                                started=started, sampling=sampling)
         if getattr(self.engine, "last_sync_bytes", None) is not None:
@@ -211,47 +203,27 @@ class GRPOModule(L.LightningModule):
             self.log(key, value, on_step=True, prog_bar=key == "reward/mean", batch_size=1)
         self._log_completions(scored, first_step)
 
-    def _update(self, rows, rollouts, mask, rollout_logprobs, advantages, old_logprobs, reference_logprobs, passes, phases):
+    def _update(self, batch: RolloutBatch, rows: slice, passes: PassTotals, phases: PhaseClock) -> torch.Tensor | None:
         """One optimizer step on the rollout rows ``rows``: micro-batched forward/backward,
         then ``optimizer.step()`` (under logra_fsdp the whole LoGRA update). Returns the
         detached trainer log-probs of ``rows``, or None when no rank has a token to train on
         there (``loss.mask_truncated`` and every completion cut off): then nothing runs."""
-        input_ids, attention_mask = rollouts.input_ids, rollouts.attention_mask
-        row_count, tokens = global_counts(mask[rows])
-        if tokens == 0:
-            self._count_empty_update(passes)
-            return None
-        world = self.trainer.world_size
         optimizer = self.optimizers()
         optimizer.zero_grad()
-        parts = []
-        for start in range(rows.start, rows.stop, self.micro_batch_size):
-            part = slice(start, min(start + self.micro_batch_size, rows.stop))
-            with memory_phase("backward", BACKWARD_HINT):
-                logprobs, entropy = self._logprobs(self.policy, input_ids[part], attention_mask[part], entropy=True)
-            parts.append(logprobs.detach())
-            if not mask[part].any():
-                # Every completion here is masked, but other micro-batches (ranks) train: a zero
-                # loss keeps this backward, and FSDP2's collectives, in step with theirs.
-                loss, stats, weight = torch.where(mask[part], logprobs, 0.0).sum(), {}, 0.0
-            else:
-                old = parts[-1] if old_logprobs is None else old_logprobs[part]
-                loss, stats = micro_batch_loss(
-                    self.loss_config, logprobs, old, rollout_logprobs[part], advantages[part], mask[part],
-                    None if reference_logprobs is None else reference_logprobs[part],
-                    max_completion_length=self.rollout_config.max_new_tokens, tis=self._tis)
-                # Each part's loss is normalised over its own tokens (rows); reweight so that the sum
-                # over parts and ranks is the update-wide mean (data parallelism averages).
-                weight = mask[part].sum() / tokens if normalised_per_token(self.loss_config) else (logprobs.shape[0] / row_count)
-            with memory_phase("backward", BACKWARD_HINT):
-                self.manual_backward(loss * weight * world)
-            passes.add(entropy, mask[part], stats)
-        trained = torch.cat(parts)
+        trained = backward_micro_batches(self.policy, batch, rows, self._micro_batching, backward=self.manual_backward,
+                                         passes=passes, world=self.trainer.world_size)
+        if trained is None:
+            self._count_empty_update(passes)
+            return None
         phases.lap("forward_backward")
-        # Read by the LoGRA strategy in step(): the probe rows and the rollout/trainer pairs at
-        # the weights that sampled.
-        self._remember(rollouts, rows, mask, rollout_logprobs, trained if old_logprobs is None else old_logprobs[rows])
-        optimizer.step()  # under logra_fsdp: the whole LoGRA update, split further in perf/logra_*
+        # The mismatch pairs compare the rollout log-probs with the weights that sampled.
+        self._stepping = (batch, rows, trained if batch.old_logprobs is None else batch.old_logprobs[rows])
+        try:
+            optimizer.step()  # under logra_fsdp: the whole LoGRA update, split further in perf/logra_*
+        finally:
+            self._stepping = None
+        if self.rollout_config.weight_sync == "lowrank":
+            self._keep_low_rank_update()
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
@@ -259,6 +231,21 @@ class GRPOModule(L.LightningModule):
         self._empty_updates_in_a_row = 0
         phases.lap("optimizer_step")
         return trained
+
+    @property
+    def _micro_batching(self) -> MicroBatching:
+        return MicroBatching(loss=self.loss_config, micro_batch_size=self.micro_batch_size,
+                             temperature=self.rollout_config.temperature, chunk_size=self.logprob_chunk_size,
+                             max_completion_length=self.rollout_config.max_new_tokens, tis=self._tis)
+
+    def _keep_low_rank_update(self) -> None:
+        """The low-rank form of the LoGRA update that just ran (``[]`` when it was skipped),
+        from its ``StepReport``, for the next weight sync."""
+        report = last_step_report(self.trainer)
+        if report is None:
+            raise ValueError("rollout.weight_sync='lowrank' needs every optimizer step to be a LoGRA update "
+                             f"(strategy logra_fsdp); this run's strategy is {type(self.trainer.strategy).__name__}")
+        self._low_rank_updates.append(list(report.low_rank_updates or []))
 
     def _count_empty_update(self, passes: PassTotals) -> None:
         """An update with nothing to train on is skipped and counted; a run of them means the
@@ -274,7 +261,7 @@ class GRPOModule(L.LightningModule):
     def _sync_engine(self, updates: int) -> None:
         """Bring the rollout engine to the trained weights: in full, or with ``weight_sync:
         lowrank`` by the LoGRA updates of this step (every one must have reached us)."""
-        if not self.logra_low_rank_sync():
+        if self.rollout_config.weight_sync != "lowrank":
             self.engine.sync_weights(self.policy)
             return
         received, self._low_rank_updates = self._low_rank_updates, []
@@ -357,20 +344,6 @@ class GRPOModule(L.LightningModule):
             for s in range(0, input_ids.shape[0], self.micro_batch_size)
         ]
         return torch.cat(parts)
-
-    def _remember(self, rollouts, rows: slice, mask, rollout_logprobs, trainer_logprobs) -> None:
-        attention_mask = rollouts.attention_mask[rows]
-        logits_mask = torch.zeros_like(attention_mask, dtype=torch.bool)
-        logits_mask[:, :-1] = mask[rows]
-        self._last = {
-            "input_ids": rollouts.input_ids[rows],
-            "attention_mask": attention_mask,
-            "logits_mask": logits_mask,
-            "position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0),
-            "rollout_logprobs": rollout_logprobs[rows],
-            "trainer_logprobs": trainer_logprobs,
-            "eos_mask": mask[rows] & rollouts.ended_with_eos[rows, None],
-        }
 
     # Validation: pass@1 and pass@n over n samples per prompt ----------------------------------
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:

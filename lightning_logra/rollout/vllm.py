@@ -23,8 +23,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from lightning_logra.lowrank import LowRankUpdate
-from lightning_logra.projection import canonical_name
+from lightning_logra.core.lowrank import LowRankUpdate
+from lightning_logra.core.projection import canonical_name
 from lightning_logra.rollout.base import Rollouts, check_request, pack_rollouts
 
 SYNC_CHECK_TOKENS = 16  # length of the fixed sequence whose log-probs prove a sync
@@ -101,7 +101,7 @@ class VLLMRolloutEngine:
                              f"{full_sync_every}")
         self.weight_sync, self.full_sync_every = weight_sync, full_sync_every
         # lowrank: the engine's own copy of the weights in checkpoint form, which the updates
-        # move exactly as the trainer's move (lightning_logra.lowrank), reloaded into vLLM
+        # move exactly as the trainer's move (lightning_logra.core.lowrank), reloaded into vLLM
         self._master: dict[str, torch.Tensor] | None = None
         self._syncs_since_full = 0
         self.last_sync_bytes: int | None = None  # what the last sync took from the trainer

@@ -2,8 +2,9 @@
 
 Set up the model first (``model = fabric.setup_module(model)``), then create and set up
 the optimizer over its parameters, as FSDP2 requires. ``optimizer.step()`` applies the
-LoGRA update to the targets, scaled to the KL budget on the module's
-``logra_probe_batch()``, then steps the optimizer (non-targets, if trainable).
+LoGRA update to the targets, scaled to the KL budget on the probe batch of the module's
+``logra_step_inputs()`` (``lightning_logra.hooks``), then steps the optimizer (non-targets,
+if trainable).
 ``strategy.last_report`` tells what the step did (``.metrics()`` for ``fabric.log_dict``).
 ``fabric.save`` / ``fabric.load`` include LoGRA's state.
 """
@@ -19,7 +20,7 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
-from lightning_logra.config import LoGRAConfig
+from lightning_logra.core.config import LoGRAConfig
 from lightning_logra.strategies.checkpoint import split_state
 from lightning_logra.strategies.runtime import LoGRAStrategyMixin, compute_dtype_for
 
@@ -55,6 +56,7 @@ class LoGRAFabricStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         compute_dtype = compute_dtype_for(self.precision.precision)
+        self.runtime.check_hooks(module)
         module = super().setup_module(module)
         if not self._shards_policy():
             module.to(self.root_device)  # Lightning leaves placement to fully_shard, which did not run

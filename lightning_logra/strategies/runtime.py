@@ -1,13 +1,12 @@
 """What the Trainer and Fabric strategies share: FSDP2 sharding (across ranks only),
-LoGRA installation, fetching the step's inputs from the module once, and checkpoint
-folders with LoGRA's state. No algorithm lives here: one ``LoGRAOptimizer.step`` call does
-the update."""
+LoGRA installation, fetching the step's inputs from the module once (``hooks.py``), and
+checkpoint folders with LoGRA's state. No algorithm lives here: one ``LoGRAOptimizer.step``
+call does the update."""
 
 from __future__ import annotations
 
-import math
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +16,12 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_logra.config import LoGRAConfig
-from lightning_logra.optimizer import LoGRAOptimizer
-from lightning_logra.probe import ProbeBatch
-from lightning_logra.reliability import verify_ranks_agree
-from lightning_logra.report import StepReport
-from lightning_logra.sketch import is_target_name
+from lightning_logra.core.config import LoGRAConfig
+from lightning_logra.core.optimizer import LoGRAOptimizer
+from lightning_logra.core.reliability import verify_ranks_agree
+from lightning_logra.core.report import StepReport
+from lightning_logra.core.sketch import is_target_name
+from lightning_logra.hooks import ProvidesFrozenModels, ProvidesLoGRAModel, found_hooks, step_inputs
 from lightning_logra.strategies.checkpoint import (
     load_folder,
     require_folder,
@@ -37,7 +36,7 @@ PARTIAL_SUFFIX = ".partial"
 def policy_module(root: nn.Module, target_modules: list[str]) -> nn.Module:
     """The module LoGRA trains: ``root.logra_model()`` if defined, else the only direct
     child that holds targets (the HF model of a LightningModule), else ``root`` itself."""
-    if hasattr(root, "logra_model"):
+    if isinstance(root, ProvidesLoGRAModel):
         return root.logra_model()
     holders = [child for name, child in root.named_children() if _holds_target(name, child, target_modules)]
     return holders[0] if len(holders) == 1 else root
@@ -100,6 +99,12 @@ class LoGRARuntime:
         self.optimizer: LoGRAOptimizer | None = None
         self.base_lr: float | None = None
         self.last_report: StepReport | None = None
+        self.hooks: list[str] = []
+
+    def check_hooks(self, module: nn.Module) -> None:
+        """Check the module against the hook Protocols once (a misspelt ``logra_*`` method
+        raises) and remember which hooks it provides, for the start-up line."""
+        self.hooks = found_hooks(module)
 
     def install(self, root: nn.Module, *, compute_dtype: torch.dtype | None) -> LoGRAOptimizer:
         policy = policy_module(root, self.config.target_modules)
@@ -122,10 +127,11 @@ class LoGRARuntime:
         trained = self.trained_parameters()
         others = sum(p.numel() for p in root.parameters()) - trained
         fate = "trained by your optimizer" if self.train_non_targets else "frozen"
+        hooks = f"module hooks: {', '.join(self.hooks)}" if self.hooks else "no module hooks (defaults)"
         return (
             f"LoGRA trains {trained:,} parameters in {len(sketches)} target layers "
             f"({', '.join(self.config.target_modules)}) through rank-{self.config.rank} sketches; "
-            f"the other {others:,} parameters are {fate}; {self._sharding()}"
+            f"the other {others:,} parameters are {fate}; {self._sharding()}; {hooks}"
         )
 
     def _sharding(self) -> str:
@@ -150,26 +156,24 @@ class LoGRARuntime:
         process_group: dist.ProcessGroup | None,
         allow_no_backward: bool = False,
     ) -> StepReport | None:
-        """Fetch the probe batch, log-prob pairs and token count from the module once, and
-        run the core's one-call update. A skipped step also clears the user's gradients."""
+        """Ask the module for this step's inputs once (``hooks.step_inputs``) and run the
+        core's one-call update. A skipped step also clears the user's gradients."""
         optimizer = self._require_optimizer()
         if self.config.follow_lr_schedule and user_optimizer is not None and self.base_lr:
             lr = float(user_optimizer.param_groups[0]["lr"])
             optimizer.param_groups[0]["lr"] = self.config.update_ratio * lr / self.base_lr
-        optimizer.record_low_rank = bool(getattr(module, "logra_low_rank_sync", lambda: False)())
+        inputs = step_inputs(module, batch)
         report = optimizer.step(
-            probe=probe_batch_of(module, batch) if self.config.kl_control else None,
-            logprob_pairs=module.logra_logprob_pairs() if hasattr(module, "logra_logprob_pairs") else None,
-            normalization_tokens=normalization_tokens_of(module),
+            probe=inputs.probe,
+            logprob_pairs=inputs.logprob_pairs,
+            normalization_tokens=inputs.normalization_tokens,
             process_group=process_group,
             measure_kl=self.measure_kl,
             allow_no_backward=allow_no_backward,
+            record_low_rank=inputs.record_low_rank,
         )
         if report is not None and report.skipped and user_optimizer is not None:
             user_optimizer.zero_grad(set_to_none=True)
-        if hasattr(module, "logra_applied"):  # what changed, for a low-rank weight sync ([] if nothing)
-            applied = report is not None and not report.skipped and optimizer.record_low_rank
-            module.logra_applied(optimizer.last_low_rank if applied else [])
         self.last_report = report
         return report
 
@@ -237,7 +241,7 @@ class LoGRAStrategyMixin:
         """The policy, and the frozen models the module names (``logra_frozen_models()``, e.g.
         a KL reference), FSDP2-sharded across ranks; the frozen ones also cast to the compute
         dtype: they get no gradient, so a float32 master copy would only cost memory."""
-        frozen = list(module.logra_frozen_models()) if hasattr(module, "logra_frozen_models") else []
+        frozen = list(module.logra_frozen_models()) if isinstance(module, ProvidesFrozenModels) else []
         compute_dtype = self._compute_dtype()
         for model in frozen:
             if compute_dtype is not None:
@@ -285,26 +289,6 @@ class LoGRAStrategyMixin:
         if self.global_rank == 0:
             _move_into_place(partial, path)
         self.barrier()
-
-
-def probe_batch_of(module: nn.Module, batch: Any) -> ProbeBatch | None:
-    """``module.logra_probe_batch()`` if defined, else every next-token position of a dict
-    batch with ``input_ids`` (and ``attention_mask``), else None."""
-    if hasattr(module, "logra_probe_batch"):
-        return ProbeBatch.from_mapping(module.logra_probe_batch())
-    if isinstance(batch, Mapping) and "input_ids" in batch:
-        return ProbeBatch.from_token_batch(batch["input_ids"], batch.get("attention_mask"))
-    return None
-
-
-def normalization_tokens_of(module: nn.Module) -> float:
-    """``module.logra_normalization_tokens()`` if defined (sum-over-tokens losses), else 1."""
-    if hasattr(module, "logra_normalization_tokens"):
-        tokens = float(module.logra_normalization_tokens())
-        if not math.isfinite(tokens) or tokens <= 0:
-            raise ValueError(f"logra_normalization_tokens() returned {tokens}; it must be a count > 0")
-        return tokens
-    return 1.0
 
 
 def _empty_like(state: Any) -> Any:

@@ -10,14 +10,11 @@ import torch
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 from typing_extensions import override
 
-from lightning_logra.config import LoGRAConfig
+from lightning_logra.callbacks.logra import LoGRACallback
+from lightning_logra.core.config import LoGRAConfig
 from lightning_logra.strategies.runtime import LoGRAStrategyMixin, compute_dtype_for
 
 
@@ -34,11 +31,10 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
     ``train_non_targets=True``, in which case your optimizer steps them. LoGRA's step size is
     ``logra.update_ratio``, constant unless ``logra.follow_lr_schedule`` is set.
 
-    The LightningModule may define ``logra_model()`` (the module to train, e.g. the policy
-    when a reference model sits beside it), ``logra_normalization_tokens()`` (the global
-    count of loss-bearing tokens when the loss is a sum over tokens), ``logra_probe_batch()``
-    (the responses the KL probe scores; default: the training batch) and
-    ``logra_logprob_pairs()`` (rollout vs trainer log-probs, for the mismatch term).
+    The LightningModule may provide the hooks of ``lightning_logra.hooks``: ``logra_model()``
+    (the module to train), ``logra_frozen_models()`` (e.g. a KL reference) and
+    ``logra_step_inputs()`` (the probe batch, log-prob pairs and token count of a step;
+    default: the training batch as the probe, a mean loss). They are checked at setup.
     """
 
     def __init__(
@@ -61,24 +57,20 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
 
     @override
     def setup(self, trainer) -> None:
-        assert self.model is not None and self.accelerator is not None
         compute_dtype = compute_dtype_for(trainer.precision)
-        self.accelerator.setup(trainer)
         module = self.lightning_module
+        self.runtime.check_hooks(module)
+        # ModelParallelStrategy.setup adds one thing to Strategy.setup: it requires the module
+        # to have sharded itself in configure_model. Here the strategy shards the policy (and
+        # materialises what configure_model built on the meta device), then Lightning's own
+        # Strategy.setup places the model, builds the optimizers and the precision plugin.
         self._shard(module, self.device_mesh)
         _materialize_distributed_module(self.model, self.root_device)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        super(ModelParallelStrategy, self).setup(trainer)
         self.runtime.install(module, compute_dtype=compute_dtype)
         self.runtime.remember_base_lr(self.optimizers)
-        self.runtime.measure_kl = any(getattr(callback, "measure_kl", False) for callback in trainer.callbacks)
-        _count_targets_as_trainable(trainer, self.runtime.trained_parameters())
+        self.runtime.measure_kl = any(isinstance(callback, LoGRACallback) and callback.measure_kl
+                                      for callback in trainer.callbacks)
 
     def _compute_dtype(self) -> torch.dtype | None:
         return compute_dtype_for(self.lightning_module.trainer.precision)
@@ -118,24 +110,3 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
         # Lightning's own metadata (loops, callbacks, hyper-parameters) is pickled Python objects.
         return self._load_folder(checkpoint_path, state, strict=self.lightning_module.strict_loading, weights_only=False)
 
-
-class _LoGRASummary(Summary):
-    """Lightning's model summary, counting LoGRA's targets as trainable: they are frozen
-    for autograd only because their gradients arrive as sketches."""
-
-    def __init__(self, model, max_depth: int, logra_parameters: int) -> None:
-        self.logra_parameters = logra_parameters
-        super().__init__(model, max_depth=max_depth)
-
-    @property
-    @override
-    def trainable_parameters(self) -> int:
-        return super().trainable_parameters + self.logra_parameters
-
-
-def _count_targets_as_trainable(trainer, logra_parameters: int) -> None:
-    for callback in trainer.callbacks:
-        if isinstance(callback, ModelSummary):
-            callback._summary = lambda trainer, pl_module, depth=callback._max_depth: _LoGRASummary(
-                pl_module, depth, logra_parameters
-            )

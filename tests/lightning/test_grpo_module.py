@@ -1,0 +1,192 @@
+"""End-to-end: GRPOModule fits a tiny random Qwen2 with LoGRA, dense AdamW and LoRA."""
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
+from lightning_logra.data import PromptDataModule
+from lightning_logra.modules import GRPOModule, LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
+from lightning_logra.modules.grpo import lr_factor
+from tests.distributed import run_lightning_on_two_ranks
+
+LOGGED = {"reward/mean", "reward/std", "reward/zero_std_groups", "reward/failures", "completion/length_mean",
+          "completion/length_max", "completion/clipped_fraction", "policy/entropy", "policy/clip_fraction",
+          "policy/rollout_trainer_logprob_gap", "perf/tokens_per_second", "perf/generation_s", "perf/rewards_s",
+          "perf/forward_backward_s", "perf/optimizer_step_s", "perf/weight_sync_s"}
+
+
+def varied_reward(completions, **kwargs):
+    """A reward a random tiny model earns unevenly, so that advantages are not all zero."""
+    return [sum(map(ord, text)) % 7 / 7 for text in completions]
+
+
+def module(folder, **overrides):
+    options = dict(
+        model=folder,
+        rollout=RolloutConfig(num_generations=2, max_new_tokens=6, val_generations=2),
+        optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, decay_steps=0),
+        micro_batch_size=2,
+        rewards=["tests.lightning.test_grpo_module:varied_reward"],
+    )
+    options.update(overrides)
+    return GRPOModule(**options)
+
+
+def data(folder, batch_size=2):
+    return PromptDataModule(train="arithmetic", val="arithmetic", tokenizer=folder, batch_size=batch_size,
+                            train_size=16, val_size=4)
+
+
+def fit(grpo, folder, strategy="auto", steps=2, **options):
+    snapshot = {name: p.detach().clone() for name, p in grpo.policy.named_parameters()}
+    logged = {}
+
+    class Capture(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            logged.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=0, callbacks=[Capture(), *options.pop("callbacks", [])], **options).fit(grpo, data(folder))
+    changed = set()
+    for name, parameter in grpo.policy.named_parameters():
+        value = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter.detach()
+        if not torch.equal(value, snapshot[name]):
+            changed.add(name)
+    return changed, logged
+
+
+def test_logra_changes_exactly_the_target_weights(model_folder):
+    grpo = module(model_folder)
+    strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
+    changed, logged = fit(grpo, model_folder, strategy=strategy, callbacks=[LoGRACallback()])
+    targets = {f"{state.name}.weight" for state in strategy.logra_optimizer.sketches}
+    assert len(targets) == 14 and changed == targets
+    assert LOGGED | {"logra/alpha", "logra/predicted_kl", "logra/mismatch", "perf/logra_probe_s"} <= set(logged)
+    assert strategy.logra_optimizer.update_count == 2
+
+
+def test_logra_under_bf16_mixed_precision_probes_and_updates(model_folder):
+    # GRPOModule steps its optimizer inside training_step, so the KL probe runs under the
+    # precision plugin's autocast: float32 residual inputs, bfloat16 layer outputs.
+    grpo = module(model_folder)
+    strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
+    changed, logged = fit(grpo, model_folder, strategy=strategy, precision="bf16-mixed", callbacks=[LoGRACallback(measure_kl=True)])
+    assert changed == {f"{state.name}.weight" for state in strategy.logra_optimizer.sketches}
+    assert strategy.logra_optimizer.update_count == 2 and strategy.logra_optimizer.skipped_steps == 0
+    assert logged["logra/predicted_kl"] > 0 and logged["logra/measured_kl"] > 0
+    assert all(p.dtype == torch.float32 for p in grpo.policy.parameters())  # master weights stay float32
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_logra_step_size_ignores_the_lr_schedule_unless_asked(model_folder, follow):
+    # GRPOModule's default schedule warms up over 9 steps: lr / initial lr = 1/9 at step 0.
+    grpo = module(model_folder, optimizer=OptimizerConfig())
+    strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, follow_lr_schedule=follow))
+    fit(grpo, model_folder, strategy=strategy, steps=1)
+    report = strategy.last_report
+    expected = 6e-5 * (lr_factor(0, OptimizerConfig()) if follow else 1.0)  # the reference keeps 6e-5
+    assert report.update_ratio == pytest.approx(expected, rel=1e-12)
+    assert report.update_norm == pytest.approx(expected * report.weight_norm, rel=1e-9)
+
+
+def test_probe_batch_answers_different_prompts_at_the_sampling_temperature(model_folder):
+    grpo = module(model_folder, rollout=RolloutConfig(num_generations=2, max_new_tokens=6, temperature=0.7))
+    strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8))
+    probes, rollout_rows, step_inputs = [], [], grpo.logra_step_inputs
+
+    def recorded_step_inputs():
+        batch, rows, _ = grpo._stepping
+        rollout_rows.append(batch.rollouts.input_ids[rows])
+        probes.append(step_inputs().probe)
+        return step_inputs()
+
+    grpo.logra_step_inputs = recorded_step_inputs
+    fit(grpo, model_folder, strategy=strategy, steps=1)
+    probe = probes[-1]
+    assert probe.temperature == 0.7
+    rows = rollout_rows[-1]  # group layout: [p0 g0, p0 g1, p1 g0, p1 g1]
+    assert torch.equal(probe.input_ids, rows[[0, 2, 1, 3]])  # one sample of each prompt first
+    assert strategy.last_report.budget is not None and not strategy.last_report.skipped
+
+
+def test_dense_adamw_changes_every_weight(model_folder):
+    grpo = module(model_folder, activation_checkpointing=False)
+    changed, logged = fit(grpo, model_folder)
+    names = {name for name, _ in grpo.policy.named_parameters()}
+    # the embedding of tokens never sampled keeps its rows, but every tensor moves
+    assert changed == names
+    assert LOGGED <= set(logged)
+
+
+def test_lora_changes_only_the_adapters(model_folder):
+    grpo = module(model_folder, lora=LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"]))
+    changed, _ = fit(grpo, model_folder)
+    trainable = {name for name, p in grpo.policy.named_parameters() if p.requires_grad}
+    assert len(trainable) == 8 and all("lora_" in name for name in trainable)
+    # peft initialises B = 0, so A's gradient is zero until B has moved: B always changes
+    assert {name for name in trainable if "lora_B" in name} <= changed <= trainable
+
+
+@pytest.mark.parametrize("loss", [LossConfig(type="reinforce_baseline"), LossConfig(type="dr_grpo"),
+                                  LossConfig(type="grpo", aggregation="sequence", kl_coef=0.1)])
+def test_other_losses_run(model_folder, loss):
+    grpo = module(model_folder, loss=loss)
+    changed, logged = fit(grpo, model_folder, steps=1)
+    assert changed and "reward/mean" in logged
+    if loss.type == "reinforce_baseline":
+        assert grpo.baseline.value != 0.0  # rewards <= 0 are shaped to -0.01
+    if loss.kl_coef:
+        assert "policy/kl" in logged
+
+
+def test_validation_logs_pass_at_1_and_n(model_folder):
+    grpo = module(model_folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False).validate(grpo, data(model_folder))
+    assert set(results[0]) == {"val/pass_at_1", "val/pass_at_2"}
+    assert 0.0 <= results[0]["val/pass_at_1"] <= results[0]["val/pass_at_2"] <= 1.0
+
+
+def test_learning_rate_schedule_is_warmup_then_cosine():
+    config = OptimizerConfig(warmup_steps=9, decay_steps=300, min_lr_ratio=0.1)
+    assert lr_factor(0, config) == pytest.approx(1 / 9)
+    assert lr_factor(8, config) == pytest.approx(1.0)
+    assert lr_factor(9, config) == pytest.approx(1.0)
+    assert lr_factor(300, config) == pytest.approx(0.1)
+    assert lr_factor(1000, config) == pytest.approx(0.1)
+    assert lr_factor(5, OptimizerConfig(warmup_steps=0, decay_steps=0)) == 1.0
+
+
+def test_invalid_settings_name_the_field(model_folder):
+    with pytest.raises(ValueError, match="rollout.num_generations"):
+        RolloutConfig(num_generations=0)
+    with pytest.raises(ValueError, match="loss.tis_cap"):
+        LossConfig(tis_cap=0)
+    with pytest.raises(ValueError, match="vllm"):
+        module(model_folder, rollout=RolloutConfig(engine="vllm"), lora=LoRAConfig())
+
+
+def _two_rank_fit(rank, world, folder):
+    grpo = module(folder)
+    strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=0, callbacks=[LoGRACallback()]).fit(grpo, data(folder))
+    return strategy.logra_optimizer.update_count, [s.weight.full_tensor() for s in strategy.logra_optimizer.sketches]
+
+
+@pytest.mark.distributed
+def test_two_process_logra_fit(model_folder):
+    (count0, weights0), (count1, weights1) = run_lightning_on_two_ranks(_two_rank_fit, model_folder)
+    assert count0 == count1 == 2
+    assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))
