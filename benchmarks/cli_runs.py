@@ -1,5 +1,5 @@
 """Helpers of the benchmarks that train through the ``logra`` CLI: running it, and reading
-MLflow back. (The machine description and plot helpers are in ``common``.)"""
+MLflow back. (The machine description and plot helpers are in ``harness``.)"""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT
+from .harness import ROOT
 
 
 def run_logra(arguments: list[str], environment: dict, log: Path) -> float:

@@ -1,5 +1,12 @@
 """GPU rows, planned as one short device run: what fits on one GPU, and 1.5B memory and speed.
 
+Every step here is GRPOModule's, as the harness replays it (``harness.Runner.step``):
+``rl.batch.backward_micro_batches`` (chunked token log-probs, the default GRPO loss,
+activation checkpointing), then ``AdamW.step()`` (dense, LoRA) or ``LoGRAOptimizer.step``
+with the KL probe on the batch's rows. float32 master weights, bf16 autocast compute
+(around the forward/backward and LoGRA's step, whose optimizer step GRPOModule also runs
+under autocast).
+
 Parts, in this order (each measurement in its own fresh process, so an OOM cannot leave
 memory behind for the next; results are written to ``gpu.json`` after every measurement,
 so a run cut short keeps what it measured):
@@ -8,27 +15,29 @@ so a run cut short keeps what it measured):
    random-init Qwen2 configs built on the ``meta`` device and materialised on the GPU:
    ``Qwen2.5-7B``, ``Qwen2.5-14B``, ``27B-class`` (LoGRA) and ``Qwen2.5-1.5B``, 7B, 14B
    (dense), each mode in ascending size until its first OOM. The step: HF ``generate``
-   rollout of 2 sequences (prompt of ``tokens - new_tokens`` random ids, ``new_tokens``
-   sampled), then 2 micro-batches of one 2,048-token sequence each (forward with chunked
-   log-probs, REINFORCE-shaped loss, backward with activation checkpointing) and the
-   update (``common.Runner.step``; LoGRA: the library's ``LoGRAOptimizer.step``, i.e.
-   prepare, KL probe on the 2 sequences, apply; dense: fused AdamW). float32 master
-   weights, bf16 autocast compute. Recorded: peak ``torch.cuda.max_memory_allocated`` per
-   phase and overall, or the phase that ran out of memory.
+   rollout of 2 rows (one random prompt of ``tokens - new_tokens`` ids, ``new_tokens``
+   sampled per row) scored once without grad for the rollout log-probs, then the replayed
+   step on them, one row per micro-batch (LoGRA probes both). Recorded: peak
+   ``torch.cuda.max_memory_allocated`` per phase (build, rollout, forward + backward,
+   update: the whole optimizer step, LoGRA's probe included) and overall, or the phase
+   that ran out of memory (the library's out-of-memory error names its own phase).
 2. **1.5B memory.** ``Qwen2.5-1.5B`` config, dense AdamW, LoRA r=256 (peft, all seven
-   projections) and LoGRA r=256, each in its own process: 2 micro-batches of 4,096 tokens,
+   projections) and LoGRA r=256, each in its own process: 2 rows of 4,096 tokens replayed,
    rollout excluded (the CPU memory benchmark's step at a realistic size).
-3. **1.5B speed.** The three modes in one process, 4 micro-batches of 4,096 tokens, the
-   order rotating per repetition, median of 5, ``torch.cuda.synchronize`` around each piece.
+3. **1.5B speed.** The three modes in one process replaying the same 4 rows of 4,096
+   tokens (LoGRA probes all 4), the order rotating per repetition, median of 5,
+   ``torch.cuda.synchronize`` around each piece.
 4. **vLLM end to end.** ``logra fit`` on the quickstart config with the vLLM engine for a
    few steps on the GPU, when vLLM imports and the quickstart model is available; otherwise
    recorded as not run, with the reason.
 
 ``--budget-s`` bounds the whole run: a part that would start after it is recorded as not run.
+Run it from the repository root; it needs no install (the root is on ``sys.path`` under
+``python -m``):
 
-    python benchmarks/gpu.py --out "$OUT"           # on the GPU machine (writes gpu.json and gpu.md)
-    python benchmarks/gpu.py --render results/gpu.json   # redraw gpu.md and gpu.png here
-    python benchmarks/gpu.py --device cpu --smoke   # exercise every code path on a tiny model (no figures)
+    python -m benchmarks.gpu --out "$OUT"           # on the GPU machine (writes gpu.json and gpu.md)
+    python -m benchmarks.gpu --render results/gpu.json --out results   # redraw gpu.md and gpu.png here
+    python -m benchmarks.gpu --device cpu --smoke --out /tmp/gpu   # exercise every code path on a tiny model (no figures)
 """
 
 from __future__ import annotations
@@ -41,21 +50,19 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import (MODES, ROOT, Clock, Runner, StepHooks, alternate_modes, argument_parser, build_mode,  # noqa: E402
-                    machine_info, machine_line, save_figure, save_json, summarise_samples, write_outputs)
+from .harness import (MODES, ROOT, Clock, Runner, StepHooks, alternate_modes, argument_parser, build_mode, code_version,
+                      command_line, load_json, machine_info, machine_line, micro_batching, optimizer_state_bytes, pyplot,
+                      random_token_rows, replay_rollouts, run_module, save_figure, save_json, step_line, summarise,
+                      write_outputs)
+from .model_shapes import QWEN_SHAPES, SMOKE
 
-# The device machine runs this from a copy of the checkout, with the package not installed
-# (its image has torch, transformers, peft and lightning, which is all the GPU parts need).
-sys.path.insert(1, str(ROOT))
-from model_shapes import QWEN_SHAPES  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 FIT_SIZES = {"logra": ("Qwen2.5-7B", "Qwen2.5-14B", "27B-class"), "dense": ("Qwen2.5-1.5B", "Qwen2.5-7B", "Qwen2.5-14B")}
 FIT_TOKENS, FIT_NEW_TOKENS, FIT_MICRO_BATCHES = 2048, 64, 2
 SIZE_SHAPE, SIZE_TOKENS, MEMORY_MICRO_BATCHES, SPEED_MICRO_BATCHES, SPEED_REPS = "Qwen2.5-1.5B", 4096, 2, 4, 5
-SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=512)  # ties its embeddings as the config it stands for does
+SIZE_PROMPT = 512  # prompt tokens of the replayed 1.5B rows (the rest completion)
+STEP_PHASES = ("build", "rollout", "forward_backward", "update")
+STEP = ("GRPOModule's step (`backward_micro_batches`, one row per micro-batch, loss `grpo`, then `AdamW.step()` or "
+        "`LoGRAOptimizer.step` probing every row), on generated rollouts (fit) or replayed random rows (1.5B memory and speed).")
 GIB = 2**30
 
 
@@ -100,33 +107,44 @@ def device_hooks(device: "torch.device") -> StepHooks:
     return StepHooks(context=functools.partial(torch.autocast, device.type, dtype=torch.bfloat16), synchronize=synchronize)
 
 
-def make_runner(mode: str, shape: dict, device: "torch.device", tokens: int, micro_batches: int, state: dict | None = None) -> Runner:
+def make_runner(mode: str, shape: dict, device: "torch.device", tokens: int, micro_batches: int, settings,
+                state: dict | None = None) -> Runner:
     """``mode`` on a fresh model of ``shape`` (with ``state``'s weights, if given). LoGRA
-    probes every sequence of a step at full length, as this script always has: both set
+    probes every row of a step at full length, as this script always has: both set
     explicitly (the library's defaults probe 2 rows of at most 4,096 tokens)."""
     import torch
 
     model = build_model(shape, device)
     if state is not None:
         model.load_state_dict(state)
-    return build_mode(mode, model, probe_responses=micro_batches, probe_max_tokens=tokens, compute_dtype=torch.bfloat16,
-                      hooks=device_hooks(device))
+    return build_mode(mode, model, settings, probe_responses=micro_batches, probe_max_tokens=tokens,
+                      compute_dtype=torch.bfloat16, hooks=device_hooks(device))
 
 
-def rollout(runner: Runner, batch: int, prompt_tokens: int, new_tokens: int, generator) -> "torch.Tensor":
-    """``batch`` sequences: random prompt ids, then ``new_tokens`` sampled by HF ``generate``."""
+def replay_random(runner: Runner, shape: dict, rows: int, tokens: int, seed: int):
+    """The replayed batch of ``rows`` random rows (``SIZE_PROMPT`` prompt tokens at most, one
+    prompt per group of all the rows), scored by the runner's model."""
+    prompt = min(SIZE_PROMPT, tokens // 8)
+    ids = random_token_rows(rows, prompt, tokens - prompt, shape["vocab_size"], num_generations=rows, seed=seed)
+    return replay_rollouts(runner.model, ids, prompt, num_generations=rows, seed=seed, settings=runner.settings,
+                           context=runner.hooks.context)
+
+
+def rollout(runner: Runner, rows: int, prompt_tokens: int, new_tokens: int, seed: int):
+    """``rows`` rows of one random prompt, then ``new_tokens`` sampled by HF ``generate``,
+    scored once without grad (the rollout log-probs) as a replayable batch."""
     import torch
 
     model = runner.model
     device = next(model.parameters()).device
-    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_tokens), generator=generator).to(device)
+    prompts = random_token_rows(rows, prompt_tokens, 0, model.config.vocab_size, num_generations=rows, seed=seed).to(device)
     model.eval()
     with torch.no_grad(), runner.hooks.context():
         sequences = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
-                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, output_logits=True,
-                                   return_dict_in_generate=True).sequences
+                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     model.train()
-    return sequences
+    return replay_rollouts(model, sequences, prompt_tokens, num_generations=rows, seed=seed, settings=runner.settings,
+                           context=runner.hooks.context)
 
 
 class PeakMemory:
@@ -162,44 +180,39 @@ def child_fit(mode: str, shape: dict, tokens: int, new_tokens: int, micro_batche
     """One RL step (rollout + update) of ``mode``; the peak memory of each phase."""
     import torch
 
-    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
     memory = PeakMemory(device)
     result = {"phases_gib": memory.phases}
     try:
-        runner = make_runner(mode, shape, device, tokens, micro_batches)
+        runner = make_runner(mode, shape, device, tokens, micro_batches, micro_batching(new_tokens))
         memory.end_phase("build")
         result["weights_gib"] = memory.allocated_gib()
         result["parameters"] = sum(p.numel() for p in runner.model.parameters())
         clock = Clock(runner.hooks.synchronize)
-        sequences = rollout(runner, micro_batches, tokens - new_tokens, new_tokens, generator)
+        replay = rollout(runner, micro_batches, tokens - new_tokens, new_tokens, seed=0)
         result["rollout_s"] = clock.lap()
         memory.end_phase("rollout")
-        advantages = torch.randn(micro_batches, generator=generator).tolist()
-        result["step_s"] = runner.step([row[None] for row in sequences], advantages, phase=memory.end_phase)
+        result["step_s"] = runner.step(replay, phase=memory.end_phase)
         result["fits"] = True
     except torch.OutOfMemoryError as error:
         result["fits"] = False
-        result["oom_in_phase"] = next(p for p in ("build", "rollout", "forward_backward", "kl_probe", "update") if p not in memory.phases)
-        result["oom_message"] = str(error).splitlines()[0]
+        result["oom_in_phase"] = next(p for p in STEP_PHASES if p not in memory.phases)
+        result["oom_message"] = str(error).splitlines()[0][:600]
     result["peak_gib"] = memory.peak_gib()
     return result
 
 
 def child_memory(mode: str, shape: dict, tokens: int, micro_batches: int, device) -> dict:
-    """One training step of ``mode`` on random tokens (rollout excluded), with a breakdown."""
+    """One training step of ``mode`` on replayed random rows (rollout excluded), with a breakdown."""
     import torch
 
-    generator = torch.Generator().manual_seed(1)
+    torch.manual_seed(0)
     memory = PeakMemory(device)
-    runner = make_runner(mode, shape, device, tokens, micro_batches)
+    runner = make_runner(mode, shape, device, tokens, micro_batches, micro_batching(tokens - min(SIZE_PROMPT, tokens // 8)))
+    replay = replay_random(runner, shape, micro_batches, tokens, seed=1)
     memory.end_phase("build")
-    sequences = [torch.randint(0, shape["vocab_size"], (1, tokens), generator=generator).to(device) for _ in range(micro_batches)]
-    seconds = runner.step(sequences, torch.randn(micro_batches, generator=generator).tolist(), phase=memory.end_phase)
-    model, logra = runner.model, runner.logra
-    if logra is None:
-        state = [t for s in runner.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
-    else:
-        state = [logra.sketches.buffer] + [s.projection for s in logra.sketches] + [s.second_moment for s in logra.sketches]
+    seconds = runner.step(replay, phase=memory.end_phase)
+    model = runner.model
     step_phases = {k: v for k, v in memory.phases.items() if k != "build"}
     return {
         "mode": mode,
@@ -209,26 +222,24 @@ def child_memory(mode: str, shape: dict, tokens: int, micro_batches: int, device
             "weights": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB,
             "gradients (fp32, as many as trainable parameters)":
                 sum(p.numel() * 4 for p in model.parameters() if p.requires_grad) / GIB,
-            "optimizer_or_logra_state": sum(t.numel() * t.element_size() for t in state) / GIB,
+            "optimizer_or_logra_state": optimizer_state_bytes(runner)["total"] / GIB,
         },
         "step_s": seconds,
     }
 
 
 def child_speed(shape: dict, tokens: int, micro_batches: int, reps: int, device) -> dict:
-    """The three modes from the same weights on the same tokens, order rotating per repetition."""
+    """The three modes from the same weights on the same replayed rows, order rotating per repetition."""
     import torch
 
+    torch.manual_seed(0)
     state = build_model(shape, device).state_dict()
-    runners = {mode: make_runner(mode, shape, device, tokens, micro_batches, state) for mode in MODES}
+    settings = micro_batching(tokens - min(SIZE_PROMPT, tokens // 8))
+    runners = {mode: make_runner(mode, shape, device, tokens, micro_batches, settings, state) for mode in MODES}
     del state
-    generator = torch.Generator().manual_seed(2)
-
-    def batch():
-        return ([torch.randint(0, shape["vocab_size"], (1, tokens), generator=generator).to(device) for _ in range(micro_batches)],
-                torch.randn(micro_batches, generator=generator).tolist())
-
-    return summarise_samples(alternate_modes(runners, batch, reps))
+    replay = replay_random(runners["dense"], shape, micro_batches, tokens, seed=2)  # dense: the plain model
+    run = alternate_modes(runners, replay, reps)
+    return summarise(run["samples"], run["contention"])
 
 
 def run_child(arguments: dict) -> dict:
@@ -248,12 +259,15 @@ class Run:
     def __init__(self, out: Path, device: str, smoke: bool, budget_s: float):
         self.out, self.device, self.smoke = out, device, smoke
         self.deadline = time.monotonic() + budget_s
-        self.result = {"command": " ".join(["python", "benchmarks/gpu.py", *sys.argv[1:]]), "machine": machine_info(),
+        self.result = {"command": command_line("gpu"), "machine": machine_info(), "code": code_version(),
                        "device": device_name(device), "device_memory_gib": device_memory_gib(device), "smoke": smoke,
-                       "fit": [], "memory_1.5b": [], "speed_1.5b": None, "vllm": None, "not_run": []}
+                       "step": STEP, "fit": [], "memory_1.5b": [], "speed_1.5b": None, "vllm": None, "not_run": []}
+        # A tiny model's many small ops run fastest on one CPU thread.
+        self.environment = dict(os.environ, **({"OMP_NUM_THREADS": "1"} if smoke and device == "cpu" else {}))
 
     def shape(self, name: str) -> dict:
-        return dict(SMOKE_SHAPE, tie_word_embeddings=QWEN_SHAPES[name]["tie_word_embeddings"]) if self.smoke else QWEN_SHAPES[name]
+        # The smoke model ties its head as the named config does.
+        return dict(SMOKE, tie_word_embeddings=QWEN_SHAPES[name]["tie_word_embeddings"]) if self.smoke else QWEN_SHAPES[name]
 
     def save(self) -> None:
         save_json(self.out / "gpu.json", self.result)
@@ -264,11 +278,11 @@ class Run:
         if left < 20:
             self.result["not_run"].append(f"{label}: time budget spent")
             return None
-        print(f"[gpu.py] {label} ...", flush=True)
+        print(f"[gpu] {label} ...", flush=True)
         started = time.perf_counter()
         try:
-            completed = subprocess.run([sys.executable, __file__, "--child", json.dumps(arguments)], cwd=ROOT,
-                                       capture_output=True, text=True, timeout=min(timeout_s, left))
+            completed = run_module("gpu", ["--child", json.dumps(arguments)], env=self.environment, capture_output=True,
+                                   text=True, timeout=min(timeout_s, left))
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {min(timeout_s, left):.0f} s", "seconds": time.perf_counter() - started}
         lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
@@ -276,7 +290,7 @@ class Run:
             return {"error": f"exit {completed.returncode}: {completed.stderr.strip()[-1500:]}", "seconds": time.perf_counter() - started}
         result = json.loads(lines[-1][len("RESULT "):])
         result["seconds"] = time.perf_counter() - started
-        print(f"[gpu.py] {label}: {summary(result)}", flush=True)
+        print(f"[gpu] {label}: {summary(result)}", flush=True)
         return result
 
     def fit(self) -> None:
@@ -374,23 +388,27 @@ def render(result: dict) -> str:
     lines = [f"Device: {result['device']}{memory}. {machine_line(result['machine'])}; command: `{result['command']}`."]
     if result["smoke"]:
         lines.append("**Smoke run on a tiny model: no figure here is a measurement of the configs named.**")
+    lines.append(f"Step: {step_line(result)}")
     lines += ["", "### Largest RL step on one device (rollout + update, float32 master weights, bf16 compute)", "",
-              "| mode | model | parameters | fits | peak GiB | build | rollout | forward + backward | KL probe | update | step s |",
-              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "Peak GiB per phase; update is the whole optimizer step (LoGRA: prepare, KL probe, apply).", "",
+              "| mode | model | parameters | fits | peak GiB | build | rollout | forward + backward | update | step s |",
+              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for row in result["fit"]:
         if "error" in row:
-            lines.append(f"| {row['mode']} | {row['model']} | | error: {row['error'].splitlines()[-1][:120]} | | | | | | | |")
+            lines.append(f"| {row['mode']} | {row['model']} | | error: {row['error'].splitlines()[-1][:120]} | | | | | | |")
             continue
         phases = row["phases_gib"]
         fits = "yes" if row["fits"] else f"**OOM** ({row['oom_in_phase']})"
         step = row.get("step_s", {}).get("step")
         lines.append(f"| {row['mode']} | {row['model']} | {row.get('parameters', 0) / 1e9:.2f}B | {fits} | {gib(row['peak_gib'])} | "
-                     + " | ".join(gib(phases.get(p)) for p in ("build", "rollout", "forward_backward", "kl_probe", "update"))
-                     + f" | {'-' if step is None else f'{step:.1f}'} |")
+                     + " | ".join(gib(phases.get(p)) for p in STEP_PHASES) + f" | {'-' if step is None else f'{step:.1f}'} |")
+    for row in result["fit"]:
+        if row.get("oom_message"):
+            lines.append(f"\n{row['mode']} {row['model']}: {row['oom_message']}")
     for mode in ("logra", "dense"):
         fitting = [row["model"] for row in result["fit"] if row["mode"] == mode and row.get("fits")]
         lines.append(f"\nLargest {mode} step that fits: {fitting[-1] if fitting else 'none measured'}.")
-    lines += ["", f"### {SIZE_SHAPE}: memory of one training step (2 micro-batches, rollout excluded)", "",
+    lines += ["", f"### {SIZE_SHAPE}: memory of one training step ({MEMORY_MICRO_BATCHES} micro-batches, rollout excluded)", "",
               "| mode | tokens | peak GiB | weights GiB | gradients GiB | optimizer / LoGRA state GiB | step s |", "|---|---:|---:|---:|---:|---:|---:|"]
     for row in result["memory_1.5b"]:
         if "error" in row:
@@ -422,11 +440,7 @@ def render(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=(7, 4.2))
     rows = [row for row in result["fit"] if "phases_gib" in row]
     labels = [f"{row['mode']}\n{row['model']}" for row in rows]
@@ -442,8 +456,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argument_parser(__doc__, render_help="only redraw gpu.md and gpu.png from a results file")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for gpu.json and gpu.md (default: benchmarks/results)")
+    parser = argument_parser(__doc__, render_help="only redraw gpu.md and gpu.png (in --out) from a results file")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="a tiny model for every config: checks the code paths, measures nothing")
     parser.add_argument("--budget-s", type=float, default=540.0, help="parts that would start later are recorded as not run")
@@ -454,8 +467,7 @@ def main() -> None:
         print("RESULT " + json.dumps(run_child(json.loads(args.child))), flush=True)
         return
     if args.render:
-        result = json.loads(args.render.read_text())
-        write_outputs(args.render.parent / "gpu", result, render, plot)
+        write_outputs(args.out / "gpu", load_json(args.render), render, plot)
         return
     if args.device.startswith("cuda"):
         import torch

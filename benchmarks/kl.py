@@ -10,23 +10,21 @@ policy before and after on the same probe responses (``logra/measured_kl``).
 Targets: median |measured / predicted - 1| <= 3%; measured <= 1.5 x budget on >= 95% of
 steps; measured >= 0.5 x budget on >= 90% of the steps whose alpha was below alpha_max.
 
-    python benchmarks/kl.py            # 24 steps, about 15 minutes on 2 CPU cores
+    python -m benchmarks.kl            # 24 steps, about 15 minutes on 2 CPU cores
+    python -m benchmarks.kl --render benchmarks/results/kl.json
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import metric_history, run_logra  # noqa: E402
-from common import ROOT, argument_parser, cpu_caption, machine_info, machine_line, save_figure, save_json, write_outputs  # noqa: E402
+from .cli_runs import metric_history, run_logra
+from .harness import (ROOT, argument_parser, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
+                      pyplot, save_figure, save_json, write_outputs)
 
-RESULTS = Path(__file__).resolve().parent / "results"
 STEPS = 24
 ALPHA_MAX = 3.0  # LoGRAConfig's default, which the quickstart config keeps
 OVERLAY = """\
@@ -101,11 +99,7 @@ def render(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = result["steps"]
     figure, (scatter, budget) = plt.subplots(1, 2, figsize=(12, 4.2))
     predicted = [r["predicted_kl_scaled"] for r in rows]
@@ -126,25 +120,26 @@ def plot(result: dict, path: Path) -> None:
     budget.plot(steps, measured, marker="o", markersize=3, label="measured KL")
     budget.set(xlabel="update", ylabel="KL per generated token")
     save_figure(figure, path, f"LoGRA KL control, SmolLM2-135M-Instruct on arithmetic:1 - {cpu_caption(result['machine'])}, "
-                              "python benchmarks/kl.py")
+                              f"{result['command']}")
 
 
 def main() -> None:
     parser = argument_parser(__doc__)
     parser.add_argument("--steps", type=int, default=STEPS)
     args = parser.parse_args()
+    stem = args.out / "kl"
     if args.render:
-        result = json.loads(args.render.read_text())
+        result = load_json(args.render)
     else:
         work = ROOT / "lightning_logs" / "kl"  # run log and MLflow store, kept for inspection
         if work.exists():
             shutil.rmtree(work)
         work.mkdir(parents=True)
         result = measure(args.steps, work)
-        result.update({"command": " ".join(["python", "benchmarks/kl.py", *sys.argv[1:]]), "machine": machine_info()})
+        result.update({"command": command_line("kl"), "machine": machine_info(), "code": code_version()})
         result["summary"] = summarise(result["steps"])
-        save_json(RESULTS / "kl.json", result)
-    write_outputs(RESULTS / "kl", result, render, plot)
+        save_json(stem.with_suffix(".json"), result)
+    write_outputs(stem, result, render, plot)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Per-rank training memory with 2 processes (gloo, CPU) and the sketch traffic per step.
 
-``memory.py --world 2`` runs this: each mode in a fresh pair of processes, on the same
-156M config as the single-process measurement, every block and the model FSDP2-sharded
-over the two ranks as ``logra_fsdp`` shards them (``shard_policy``). Each rank runs the
-single-process step on its own data: 2 micro-batches of 2,048 tokens, then the update
-(LoGRA: probe on its own 2 sequences). Modes: dense AdamW (FSDP2 reduce-scatters the
+``python -m benchmarks.memory --world 2`` runs this: each mode in a fresh pair of
+processes, on the same 156M config as the single-process measurement, every block and the
+model FSDP2-sharded over the two ranks as ``logra_fsdp`` shards them (``shard_policy``).
+Each rank replays the single-process step (``harness.Runner.step``) on rollouts of its own:
+2 rows of 2,048 tokens through ``backward_micro_batches`` (the loss weighted over both
+ranks, as GRPOModule weights it), then the update (LoGRA: probe on its own 2 rows). Modes: dense AdamW (FSDP2 reduce-scatters the
 gradients, so gradients and moments are sharded), LoRA r=256, LoGRA r=256 with
 ``sketch_accumulation: sharded`` (each layer's contribution reduce-scattered in backward)
 and ``local`` (every row accumulated, reduce-scattered once at the step).
@@ -26,6 +27,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .harness import ROOT, build_mode, micro_batching, optimizer_state_bytes, prompt_share, random_token_rows, replay_rollouts
+from .model_shapes import BENCH_156M, SMOKE
+
 MIB = 2**20
 RANK_MODES = ("dense", "lora", "logra_sharded", "logra_local")
 
@@ -45,30 +49,32 @@ def _loopback_bytes() -> int:
     return 0
 
 
-def rank_main(mode: str, tokens: int, micro_batches: int) -> dict:
+def rank_main(mode: str, tokens: int, micro_batches: int, smoke: bool = False) -> dict:
     """One rank of one mode (run under torchrun-style environment variables)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from common import build_mode
     from lightning_logra import LoGRAConfig
     from lightning_logra.strategies.runtime import shard_policy
-    from model_shapes import BENCH_156M
 
+    shape = SMOKE if smoke else BENCH_156M
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    torch.set_num_threads(1 if smoke else max(1, (os.cpu_count() or 2) // world))
     mesh = init_device_mesh("cpu", (world,))
-    generator = torch.Generator().manual_seed(1 + rank)
-    batches = [torch.randint(0, BENCH_156M["vocab_size"], (1, tokens), generator=generator) for _ in range(micro_batches)]
-    advantages = torch.randn(micro_batches, generator=generator)
+    prompt = prompt_share(tokens)
+    settings = micro_batching(tokens - prompt)
     baseline = _status_mib("VmRSS")
-    torch.manual_seed(0)
-    runner = build_mode(mode.split("_")[0], Qwen2ForCausalLM(Qwen2Config(**BENCH_156M)), probe_responses=micro_batches,
-                        probe_max_tokens=tokens, shard=lambda model: shard_policy(model, mesh, LoGRAConfig().target_modules),
-                        sketch_accumulation=mode.split("_")[1] if mode.startswith("logra") else "auto")
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = Qwen2ForCausalLM(Qwen2Config(**shape))
+    replay = replay_rollouts(model, random_token_rows(micro_batches, prompt, tokens - prompt, shape["vocab_size"],
+                                                      num_generations=micro_batches, seed=1 + rank),
+                             prompt, num_generations=micro_batches, seed=1 + rank, settings=settings)
+    runner = build_mode(mode.split("_")[0], model, settings, probe_responses=micro_batches, probe_max_tokens=tokens,
+                        shard=lambda model: shard_policy(model, mesh, LoGRAConfig().target_modules),
+                        **({"sketch_accumulation": mode.split("_")[1]} if mode.startswith("logra") else {}))
     after_build = _status_mib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM: the unsharded construction is not counted
     phases = {}
@@ -78,7 +84,7 @@ def rank_main(mode: str, tokens: int, micro_batches: int) -> dict:
 
     dist.barrier()
     loopback = _loopback_bytes()
-    seconds = runner.step(batches, advantages, phase=end_phase)["step"]
+    seconds = runner.step(replay, phase=end_phase)["step"]
     dist.barrier()
     loopback = _loopback_bytes() - loopback
     logra = runner.logra
@@ -88,9 +94,10 @@ def rank_main(mode: str, tokens: int, micro_batches: int) -> dict:
         "loopback_bytes_step": loopback,
     }
     if logra is not None:
+        state = optimizer_state_bytes(runner)
         result.update(accumulation=logra.layout.accumulation, sketch_bytes_sent=logra.layout.sketch_bytes_sent,
-                      sketch_buffer_mib=logra.sketches.buffer.numel() * 4 / MIB,
-                      scratch_mib=(logra.layout.accumulator.scratch_bytes / MIB if logra.layout.accumulator else 0.0))
+                      sketch_buffer_mib=state["sketch_accumulator"] / MIB, scratch_mib=state["accumulation_scratch"] / MIB,
+                      state_bytes=state)
     dist.destroy_process_group()
     return result
 
@@ -101,7 +108,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def measure_ranks(environment: dict, tokens: int, micro_batches: int, world: int = 2) -> list[dict]:
+def measure_ranks(environment: dict, tokens: int, micro_batches: int, world: int = 2, smoke: bool = False) -> list[dict]:
     """Every mode of ``RANK_MODES`` in a fresh group of ``world`` processes; one row per rank."""
     rows = []
     for mode in RANK_MODES:
@@ -111,8 +118,9 @@ def measure_ranks(environment: dict, tokens: int, micro_batches: int, world: int
             env = dict(environment, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                        LOCAL_RANK=str(rank))
             processes.append(subprocess.Popen(
-                [sys.executable, __file__, "--mode", mode, "--tokens", str(tokens), "--micro-batches", str(micro_batches)],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                [sys.executable, "-m", "benchmarks.memory_ranks", "--mode", mode, "--tokens", str(tokens),
+                 "--micro-batches", str(micro_batches), *(["--smoke"] if smoke else [])],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         for rank, process in enumerate(processes):
             stdout, stderr = process.communicate()
             if process.returncode != 0:
@@ -125,10 +133,10 @@ def measure_ranks(environment: dict, tokens: int, micro_batches: int, world: int
 if __name__ == "__main__":
     import argparse
 
-    sys.path.insert(0, str(Path(__file__).parent))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=RANK_MODES, required=True)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="the tiny model (model_shapes.SMOKE)")
     args = parser.parse_args()
-    print(json.dumps(rank_main(args.mode, args.tokens, args.micro_batches)))
+    print(json.dumps(rank_main(args.mode, args.tokens, args.micro_batches, args.smoke)))

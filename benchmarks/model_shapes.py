@@ -1,7 +1,8 @@
 """Model shapes the benchmarks use, fixed before measuring (Qwen2 architecture).
 
-``BENCH_156M`` is the CPU benchmark model. The Qwen2.5 entries carry the published sizes;
-``27B-class`` is Qwen2.5-32B's architecture with 52 of its 64 layers (26.9B parameters).
+``BENCH_156M`` is the CPU benchmark model, ``SMOKE`` the tiny one every ``--smoke`` run
+uses. The Qwen2.5 entries carry the published sizes; ``27B-class`` is Qwen2.5-32B's
+architecture with 52 of its 64 layers (26.9B parameters).
 """
 
 BENCH_156M = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -18,3 +19,6 @@ QWEN_SHAPES = {
                       num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
 }
 
+# Every script's --smoke model: checks the code paths in seconds, measures nothing.
+SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)

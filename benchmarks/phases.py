@@ -11,22 +11,21 @@ without validation so that only training steps are timed. Phases, as ``GRPOModul
 engine's). The per-step median of each phase is reported; the first step (warm-up) is
 left out. Run it alone on the machine: it measures wall time.
 
-    python benchmarks/phases.py      # about 25 minutes on 2 CPU cores; results/phases.{json,md,png}
+    python -m benchmarks.phases      # about 25 minutes on 2 CPU cores; benchmarks/results/phases.{json,md,png}
+    python -m benchmarks.phases --render benchmarks/results/phases.json
 """
 
 from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import metric_history, run_logra  # noqa: E402
-from common import argument_parser, cpu_caption, machine_info, machine_line, save_figure, save_json, write_outputs  # noqa: E402
+from .cli_runs import metric_history, run_logra
+from .harness import (argument_parser, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
+                      pyplot, save_figure, save_json, stacked_bars, write_outputs)
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # name -> (config, extra arguments)
 RUNS = {
     "dense": ("configs/quickstart_dense.yaml", []),
@@ -110,13 +109,7 @@ def render(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from common import stacked_bars
-
+    plt = pyplot()
     modes = result["modes"]
     figure, axis = plt.subplots(figsize=(6, 4))
     parts = {phase: [modes[m]["median_s"][phase] for m in modes] for phase in PHASES}
@@ -129,18 +122,17 @@ def main() -> None:
     parser = argument_parser(__doc__)
     parser.add_argument("--work", type=Path, default=Path("lightning_logs/phases"), help="run logs and MLflow store")
     args = parser.parse_args()
+    stem = args.out / "phases"
     if args.render:
-        import json
-
-        result = json.loads(args.render.read_text())
+        result = load_json(args.render)
     else:
         args.work.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
-        result = {"benchmark": "phases", "command": " ".join(["python", "benchmarks/phases.py", *sys.argv[1:]]),
-                  "machine": machine_info(), **measure(args.work.resolve())}
+        result = {"benchmark": "phases", "command": command_line("phases"), "machine": machine_info(), "code": code_version(),
+                  **measure(args.work.resolve())}
         result["runtime_s"] = time.perf_counter() - started
-        save_json(RESULTS / "phases.json", result)
-    write_outputs(RESULTS / "phases", result, render, plot)
+        save_json(stem.with_suffix(".json"), result)
+    write_outputs(stem, result, render, plot)
 
 
 if __name__ == "__main__":

@@ -32,27 +32,25 @@ validation set is 24 prompts (96 samples; the comparison itself, 3 points x 4 me
 3 seeds of each best point, is not reduced). Selecting on the validation set flatters
 every method alike.
 
-    python benchmarks/quality.py     # about 2 hours on 2 CPU cores; writes results/quality.{json,md,png}
+    python -m benchmarks.quality     # about 2 hours on 2 CPU cores; writes benchmarks/results/quality.{json,md,png}
+    python -m benchmarks.quality --render benchmarks/results/quality.json
 
 Run logs and the MLflow store of every run stay in ``lightning_logs/quality``.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import run_logra, timed_metric_history  # noqa: E402
-from common import ROOT, argument_parser, cpu_caption, machine_info, machine_line, save_figure, save_json, write_outputs  # noqa: E402
+from .cli_runs import run_logra, timed_metric_history
+from .harness import (ROOT, argument_parser, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
+                      pyplot, save_figure, save_json, write_outputs)
 
-RESULTS = Path(__file__).resolve().parent / "results"
 STEPS = 12
 VAL_EVERY = 3
 VAL_SIZE = 24
@@ -226,11 +224,7 @@ def render(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     colours = {"dense": "tab:blue", "lora": "tab:orange", "logra": "tab:green", "logra_rank_auto": "tab:red"}
     figure, (reward, validation) = plt.subplots(1, 2, figsize=(12, 4.2))
     for method, entry in result["summary"]["best"].items():
@@ -259,21 +253,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--val-every", type=int, default=VAL_EVERY)
     parser.add_argument("--val-size", type=int, default=VAL_SIZE)
-    parser.add_argument("--out", default="quality", help="results file stem under benchmarks/results")
+    parser.add_argument("--name", default="quality", help="results file stem in --out (default quality)")
     args = parser.parse_args()
+    stem = args.out / args.name
     if args.render:
-        result = json.loads(args.render.read_text())
-        stem = args.render.with_suffix("")
+        result = load_json(args.render)
     else:
         work = ROOT / "lightning_logs" / "quality"  # run logs and the MLflow store, kept for inspection
         if work.exists():
             shutil.rmtree(work)
         work.mkdir(parents=True)
         result = measure(Runs(work, args.steps, args.val_every, args.val_size))
-        result.update({"command": " ".join(["python", "benchmarks/quality.py", *sys.argv[1:]]), "machine": machine_info(),
+        result.update({"command": command_line("quality"), "machine": machine_info(), "code": code_version(),
                        "steps": args.steps, "val_every": args.val_every, "val_size": args.val_size})
         result["summary"] = summarise(result)
-        stem = RESULTS / args.out
         save_json(stem.with_suffix(".json"), result)
     write_outputs(stem, result, render, plot)
 

@@ -1,50 +1,47 @@
 """Train-step time: dense AdamW vs LoRA r=256 vs LoGRA r=256 on one model, one process.
 
-The memory benchmark's setting (``model_shapes.BENCH_156M``, float32, activation
-checkpointing and chunked log-probs in every mode, a REINFORCE-shaped loss). One step =
-forward + backward over ``--micro-batches`` micro-batches of one sequence each (default 4),
-then the update: AdamW ``step`` + ``zero_grad`` (dense, LoRA), or the library's
-``LoGRAOptimizer.step`` (prepare, KL probe on 2 of the step's sequences, scale, apply;
-``common.Runner.step``). The probe takes at most ``--probe-max-tokens`` real tokens per
-sequence (default: the whole sequence). The paper's proportions are 16 responses trained
-per rank and 2 probed, at most 4,096 tokens each:
+The step is GRPOModule's, replayed (``harness``): a fixed rollout batch of
+``--micro-batches`` rows of ``--tokens`` tokens (an eighth prompt, the rest completion;
+two prompts, half the rows each) goes through ``rl.batch.backward_micro_batches`` one row
+per micro-batch (chunked token log-probs, the default GRPO loss, activation checkpointing),
+then the update: ``AdamW.step()`` (dense, LoRA) or ``LoGRAOptimizer.step`` with the KL
+probe on 2 of the rows (one per prompt), at most ``--probe-max-tokens`` real tokens each
+(default: the whole row). The model is ``model_shapes.BENCH_156M`` (float32). The paper's
+proportions are 16 responses trained per rank and 2 probed, at most 4,096 tokens each:
 
-    python benchmarks/speed.py --tokens 2048 --micro-batches 16 --probe-max-tokens 4096 --reps 3 --add
+    python -m benchmarks.speed --tokens 2048 --micro-batches 16 --probe-max-tokens 4096 --reps 3 --add
 
-The three modes start from the same weights and see the same tokens. Each repetition runs
-the three steps back to back, in an order that rotates from one repetition to the next, so
-drift and order effects fall on every mode alike; an untimed warm-up (one micro-batch and
-an update) per mode comes first. Pieces are timed with ``time.perf_counter`` (CPU ops are
-synchronous; LoGRA's probe time is the step report's ``probe_s``, its update time the rest
-of the step). Reported: medians over the repetitions, every sample, LoGRA / dense and
-LoGRA / LoRA of the median step (with and without the probe) and the probe's share of
-LoGRA's step.
+The three modes start from the same weights and replay the same rollouts; an untimed
+warm-up step (one micro-batch and an update) per mode comes first, then each repetition
+runs the three steps back to back in an order that rotates every repetition. Pieces are
+timed with ``time.perf_counter`` (CPU ops are synchronous; LoGRA's probe time is its
+``StepReport.probe_s``, its update time the rest of its step). Reported: medians over the
+repetitions, every sample, LoGRA / dense and LoGRA / LoRA of the median step (with and
+without the probe), the probe's share of LoGRA's step, the paired per-repetition ratios,
+other processes' load during every step and the ratio over the quiet repetitions.
 
-Other rows:
-
-    python benchmarks/speed.py                   # 2,048 tokens per micro-batch, 4 micro-batches, 5 repetitions
-    python benchmarks/speed.py --tokens 8192 --add   # append a row to the existing results
-    python benchmarks/speed.py --tokens 2048 --add --rerun   # measure a row again (the earlier one is kept)
+    python -m benchmarks.speed                         # 2,048 tokens, 4 micro-batches, 5 repetitions
+    python -m benchmarks.speed --tokens 8192 --add     # append a row to the existing results
+    python -m benchmarks.speed --tokens 2048 --add --rerun   # measure a row again (the earlier one is kept)
+    python -m benchmarks.speed --smoke --out /tmp/speed      # every code path on a tiny model, seconds
+    python -m benchmarks.speed --render benchmarks/results/speed.json
 
 A row added with ``--add`` keeps its own command, machine and date; its ratios, like every
-row's, come from modes timed side by side in that one run.
+row's, come from modes timed side by side in that one run. ``--profile`` also writes a
+``torch.profiler`` op table of one step per mode (``speed_profile_<mode>.txt``).
 """
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from pathlib import Path
 
-import torch
+from .harness import (MODES, alternate_modes, argument_parser, build_mode, check_smoke_out, code_version, command_line,
+                      contention_line, cpu_caption, default_generations, load_json, machine_info, machine_line,
+                      micro_batching, prompt_share, pyplot, random_token_rows, replay_rollouts, save_figure, save_json,
+                      stacked_bars, step_line, summarise, write_outputs)
+from .model_shapes import BENCH_156M, SMOKE
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import (MODES, alternate_modes, argument_parser, build_mode, cpu_caption, machine_info,  # noqa: E402
-                    machine_line, save_figure, save_json, stacked_bars, summarise_samples, write_outputs)
-from model_shapes import BENCH_156M  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 PROBE_RESPONSES = 2
 # LoGRA / dense AdamW step: 0.70 for the 4-micro-batch rows (set before this file measured
 # anything); in the paper's proportions (16 micro-batches) <= 0.85 with the probe at most
@@ -52,31 +49,56 @@ PROBE_RESPONSES = 2
 TARGETS = {4: {"logra_over_dense": 0.70}, 16: {"logra_over_dense": 0.85, "probe_share_of_logra_step": 0.10}}
 
 
-def measure_tokens(tokens: int, micro_batches: int, probe_max_tokens: int | None, reps: int) -> dict:
+def measure_tokens(tokens: int, micro_batches: int, probe_max_tokens: int | None, reps: int, shape: dict,
+                   profile_stem: Path | None = None) -> dict:
+    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    state = Qwen2ForCausalLM(Qwen2Config(**BENCH_156M)).state_dict()
-
-    def model():
-        fresh = Qwen2ForCausalLM(Qwen2Config(**BENCH_156M))
-        fresh.load_state_dict(state)
-        return fresh
-
-    # Both set explicitly: by default whole sequences, since the library's default
+    initial = Qwen2ForCausalLM(Qwen2Config(**shape))
+    prompt = prompt_share(tokens)
+    generations = default_generations(micro_batches)
+    settings = micro_batching(tokens - prompt)
+    # The same rollouts for every mode and repetition, scored by the initial weights.
+    replay = replay_rollouts(initial, random_token_rows(micro_batches, prompt, tokens - prompt, shape["vocab_size"],
+                                                        num_generations=generations, seed=1),
+                             prompt, num_generations=generations, seed=1, settings=settings)
+    # Both set explicitly: by default whole rows, since the library's default
     # probe_max_tokens (4,096) would truncate 8k rows.
     probe_max_tokens = probe_max_tokens or tokens
-    runners = {mode: build_mode(mode, model(), probe_responses=PROBE_RESPONSES, probe_max_tokens=probe_max_tokens) for mode in MODES}
-    del state
-    generator = torch.Generator().manual_seed(1)
+    runners = {}
+    for mode in MODES:  # every mode from the same initial weights
+        model = Qwen2ForCausalLM(Qwen2Config(**shape))
+        model.load_state_dict(initial.state_dict())
+        runners[mode] = build_mode(mode, model, settings, probe_responses=PROBE_RESPONSES, probe_max_tokens=probe_max_tokens)
+    del initial
+    run = alternate_modes(runners, replay, reps, label=f"{tokens} tokens x {micro_batches}")
+    row = {"tokens_per_micro_batch": tokens, "micro_batches": micro_batches, "probe_max_tokens": probe_max_tokens,
+           "step": step_description(replay), **summarise(run["samples"], run["contention"])}
+    if profile_stem is not None:
+        row["profile_files"] = profile_steps(runners, replay, profile_stem)
+    return row
 
-    def batch() -> tuple[list[torch.Tensor], torch.Tensor]:
-        return ([torch.randint(0, BENCH_156M["vocab_size"], (1, tokens), generator=generator) for _ in range(micro_batches)],
-                torch.randn(micro_batches, generator=generator))
 
-    samples = alternate_modes(runners, batch, reps, label=f"{tokens} tokens x {micro_batches}")
-    return {"tokens_per_micro_batch": tokens, "micro_batches": micro_batches, "probe_max_tokens": probe_max_tokens,
-            **summarise_samples(samples)}
+def step_description(replay) -> str:
+    return (f"GRPOModule's step on replayed rollouts ({replay.describe()}): `backward_micro_batches`, one row per "
+            f"micro-batch, loss `grpo`, then `AdamW.step()` or `LoGRAOptimizer.step` (probe on "
+            f"{PROBE_RESPONSES} rows, one per prompt).")
+
+
+def profile_steps(runners: dict, replay, stem: Path) -> dict[str, str]:
+    """One step of each mode under ``torch.profiler``; the op tables go next to the results."""
+    from torch.profiler import ProfilerActivity, profile
+
+    files = {}
+    for mode, runner in runners.items():
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
+            runner.step(replay)
+        table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        path = stem.parent / f"{stem.name}_profile_{mode}.txt"
+        path.write_text(f"# {mode}: one step under torch.profiler (CPU)\n\n{table}\n")
+        files[mode] = path.name
+    return files
 
 
 def micro_batches_of(row: dict) -> int:
@@ -109,11 +131,17 @@ def render(result: dict) -> str:
                     for name, limit in TARGETS.get(micro_batches_of(row), {}).items()]
         if verdicts:
             lines.append(f"Targets, {row['tokens_per_micro_batch']} tokens x {micro_batches_of(row)} micro-batches: " + "; ".join(verdicts) + ".")
+    for row in result["rows"]:
+        pairs = contention_line(row)
+        if pairs:
+            lines.append(f"Row {row['tokens_per_micro_batch']} x {micro_batches_of(row)}: {pairs}.")
     lines += [
         "",
         (f"{machine_line(result['machine'])}; median of {result['reps']} repetitions, micro-batches of one sequence, "
          f"probe on {PROBE_RESPONSES} sequences; command: `{result['command']}`."),
     ]
+    if result.get("smoke"):
+        lines.append("**Smoke run on a tiny model: no figure here is a measurement.**")
     for row in result["rows"]:
         if "added" in row:
             added = row["added"]
@@ -126,15 +154,16 @@ def render(result: dict) -> str:
                          f"({machine_line(earlier['machine'])}): LoGRA / dense {earlier['logra_over_dense']:.3f} "
                          f"({earlier['logra_over_dense_without_probe']:.3f} without the probe), probe share "
                          f"{100 * earlier['probe_share_of_logra_step']:.0f}%; its samples are in results/speed.json.")
+    steps = {step_line(row) for row in result["rows"]}
+    if len(steps) == 1:
+        lines.append(f"Step: {steps.pop()}")
+    else:
+        lines += [f"Step of row {row['tokens_per_micro_batch']} x {micro_batches_of(row)}: {step_line(row)}" for row in result["rows"]]
     return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = result["rows"]
     figure, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.2), squeeze=False)
     for axis, row in zip(axes[0], rows):
@@ -151,41 +180,54 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argument_parser(__doc__)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[2048])
-    parser.add_argument("--micro-batches", type=int, default=4, help="sequences trained per step (one per micro-batch)")
-    parser.add_argument("--probe-max-tokens", type=int, help="LoGRA's probe_max_tokens (default: the whole sequence)")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--add", action="store_true", help="append the measured rows to results/speed.json instead of replacing it")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None, help="tokens per row (default 2048; smoke: 64)")
+    parser.add_argument("--micro-batches", type=int, default=4, help="rows trained per step (one per micro-batch)")
+    parser.add_argument("--probe-max-tokens", type=int, help="LoGRA's probe_max_tokens (default: the whole row)")
+    parser.add_argument("--reps", type=int, default=None, help="measured repetitions (default 5; smoke: 2)")
+    parser.add_argument("--add", action="store_true", help="append the measured rows to speed.json instead of replacing it")
     parser.add_argument("--rerun", action="store_true", help="with --add: replace rows already measured (the earlier one is kept in the new row)")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's, all cores)")
+    parser.add_argument("--profile", action="store_true", help="also write a torch.profiler op table of one step per mode")
+    parser.add_argument("--smoke", action="store_true", help="the tiny model (model_shapes.SMOKE): checks the code paths, measures nothing")
     args = parser.parse_args()
-    command = " ".join(["python", "benchmarks/speed.py", *sys.argv[1:]])
+    check_smoke_out(parser, args)
+    stem = args.out / "speed"
     if args.render:
-        result = json.loads(args.render.read_text())
-    elif args.add:
-        result = json.loads((RESULTS / "speed.json").read_text())
-        measured = {row_key(row) for row in result["rows"]} & {(tokens, args.micro_batches) for tokens in args.tokens}
+        write_outputs(stem, load_json(args.render), render, plot)
+        return
+    if args.threads or args.smoke:  # a tiny model's many small ops run fastest on one thread
+        import torch
+
+        torch.set_num_threads(args.threads or 1)
+    shape = SMOKE if args.smoke else BENCH_156M
+    token_rows = args.tokens or [64 if args.smoke else 2048]
+    reps = args.reps or (2 if args.smoke else 5)
+    profile = stem if args.profile else None
+    if args.add:
+        result = load_json(stem.with_suffix(".json"))
+        measured = {row_key(row) for row in result["rows"]} & {(tokens, args.micro_batches) for tokens in token_rows}
         if measured and not args.rerun:
-            parser.error(f"--add: results/speed.json already has rows for (tokens, micro-batches) {sorted(measured)}; "
+            parser.error(f"--add: {stem}.json already has rows for (tokens, micro-batches) {sorted(measured)}; "
                          "--rerun replaces them, keeping the earlier measurement inside the new row")
-        for tokens in args.tokens:
+        for tokens in token_rows:
             started = time.perf_counter()
-            row = measure_tokens(tokens, args.micro_batches, args.probe_max_tokens, args.reps)
-            row["added"] = {"command": command, "machine": machine_info(),
-                            "reps": args.reps, "runtime_s": time.perf_counter() - started}
+            row = measure_tokens(tokens, args.micro_batches, args.probe_max_tokens, reps, shape, profile)
+            row["added"] = {"command": command_line("speed"), "machine": machine_info(), "code": code_version(),
+                            "reps": reps, "runtime_s": time.perf_counter() - started}
             earlier = [old for old in result["rows"] if row_key(old) == row_key(row)]
             if earlier:
                 row["earlier"] = earlier[0] | {"machine": earlier[0].get("added", result)["machine"]}
                 result["rows"] = [row if old is earlier[0] else old for old in result["rows"]]
             else:
                 result["rows"].append(row)
-            save_json(RESULTS / "speed.json", result)
+            save_json(stem.with_suffix(".json"), result)
     else:
         started = time.perf_counter()
-        rows = [measure_tokens(tokens, args.micro_batches, args.probe_max_tokens, args.reps) for tokens in args.tokens]
-        result = {"command": command, "machine": machine_info(), "reps": args.reps,
-                  "rows": rows, "runtime_s": time.perf_counter() - started}
-        save_json(RESULTS / "speed.json", result)
-    write_outputs(RESULTS / "speed", result, render, plot)
+        rows = [measure_tokens(tokens, args.micro_batches, args.probe_max_tokens, reps, shape, profile) for tokens in token_rows]
+        result = {"command": command_line("speed"), "machine": machine_info(), "code": code_version(), "reps": reps,
+                  "smoke": args.smoke, "model": shape, "rows": rows, "runtime_s": time.perf_counter() - started}
+        save_json(stem.with_suffix(".json"), result)
+    write_outputs(stem, result, render, plot)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,2 @@
+"""The benchmarks, run from the repository root as ``python -m benchmarks.<name>``; every
+step benchmark goes through ``benchmarks.harness`` (see benchmarks/README.md)."""

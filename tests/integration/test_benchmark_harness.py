@@ -1,0 +1,93 @@
+"""The benchmarks' harness end to end: the speed and memory scripts' smoke runs replay the
+library's GRPO step in every mode, and every committed result re-renders to the committed
+tables. Runs ``python -m benchmarks.<name>`` from the repository root, as the README says;
+the smoke runs use a tiny model and measure nothing."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+MODES = ("dense", "lora", "logra")
+
+
+def run(module: str, *arguments: str) -> subprocess.CompletedProcess:
+    completed = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *arguments], cwd=ROOT,
+                               capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed
+
+
+def test_speed_smoke_run_times_the_replayed_grpo_step_of_every_mode(tmp_path):
+    run("speed", "--smoke", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "speed.json").read_text())
+    assert result["smoke"] is True and result["command"].startswith("python -m benchmarks.speed")
+    row = result["rows"][0]
+    assert row["step"].startswith("GRPOModule's step on replayed rollouts")
+    assert all(len(row["samples"][mode]) == 2 and len(row["contention"][mode]) == 2 for mode in MODES)
+    # Only LoGRA probes; its probe time is the StepReport's, inside its step.
+    assert row["medians_s"]["logra"]["kl_probe"] > 0
+    assert row["medians_s"]["dense"]["kl_probe"] == row["medians_s"]["lora"]["kl_probe"] == 0
+    assert len(row["paired_logra_over_dense"]) == 2
+    table = (tmp_path / "speed.md").read_text()
+    assert "Smoke run on a tiny model" in table and "Step: GRPOModule's step" in table
+
+
+def test_memory_smoke_run_measures_each_mode_in_its_own_process(tmp_path):
+    run("memory", "--smoke", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "memory.json").read_text())
+    assert result["smoke"] is True and [run_["logprob_chunk"] for run_ in result["runs"]] == [256]
+    modes = {row["mode"]: row for row in result["runs"][0]["modes"]}
+    assert sorted(modes) == sorted(MODES)
+    breakdown = {mode: row["breakdown_mib"] for mode, row in modes.items()}
+    # LoGRA forms no weight gradient; its state is what LoGRAOptimizer.state_bytes() reports.
+    assert breakdown["logra"]["gradients"] == 0 and breakdown["lora"]["gradients"] > 0 and breakdown["dense"]["gradients"] > 0
+    state = modes["logra"]["optimizer_state_bytes"]
+    assert set(state) == {"sketch_accumulator", "accumulation_scratch", "projections", "second_moments", "total"}
+    assert breakdown["logra"]["logra_state"] == state["total"] / 2**20 > 0
+    assert breakdown["dense"]["optimizer_state"] == modes["dense"]["optimizer_state_bytes"]["total"] / 2**20 > 0
+    assert "Smoke run on a tiny model" in (tmp_path / "memory.md").read_text()
+
+
+def test_smoke_runs_refuse_to_overwrite_the_committed_results():
+    completed = subprocess.run([sys.executable, "-m", "benchmarks.speed", "--smoke"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=120)
+    assert completed.returncode != 0 and "--smoke needs --out" in completed.stderr
+
+
+# (module, results file, extra arguments): every committed result and the script that renders it.
+RENDERED = [
+    ("speed", "speed.json", []),
+    ("memory", "memory.json", []),
+    ("memory_ledger", "memory_ledger.json", []),
+    ("phases", "phases.json", []),
+    ("kl", "kl.json", []),
+    ("quality", "quality.json", []),
+    ("core_step", "core_step.json", []),
+    ("core_step", "core_step_1thread.json", ["--name", "core_step_1thread"]),
+]
+
+
+def test_every_committed_result_has_a_renderer():
+    assert sorted(path.name for path in RESULTS.glob("*.json")) == sorted(name for _, name, _ in RENDERED)
+
+
+@pytest.mark.parametrize("module, name", [(module, name) for module, name, _ in RENDERED])
+def test_render_reproduces_the_committed_table(module, name):
+    """In process: each script's ``render`` of its committed JSON is the committed .md."""
+    import importlib
+
+    script = importlib.import_module(f"benchmarks.{module}")
+    render = script.markdown if module == "core_step" else script.render
+    result = json.loads((RESULTS / name).read_text())
+    assert render(result) + "\n" == (RESULTS / name).with_suffix(".md").read_text()
+
+
+def test_render_option_rewrites_the_table_without_measuring(tmp_path):
+    run("speed", "--render", str(RESULTS / "speed.json"), "--out", str(tmp_path))
+    assert (tmp_path / "speed.md").read_text() == (RESULTS / "speed.md").read_text()
+    assert not (tmp_path / "speed.json").exists()
