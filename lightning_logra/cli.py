@@ -12,10 +12,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 
 import lightning_logra  # noqa: F401  (registers the "logra_fsdp" strategy name)
+from lightning_logra.notices import quiet_lightning_pytree_notice
 
 MLFLOW_LOGGER = "lightning.pytorch.loggers.MLFlowLogger"
 EXPORT_HELP = ("logra export --ckpt_path PATH --out DIR: write a checkpoint's policy as a Hugging Face folder "
@@ -102,6 +104,10 @@ def main(args: list[str] | None = None) -> None:
     if given[:1] == ["export"]:
         export(given[1:])
         return
+    # The config dataclasses document each field in a docstring under it: --help shows them,
+    # e.g. logra fit --trainer.strategy.help=LoGRAFSDPStrategy --trainer.strategy.logra.help
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    quiet_lightning_pytree_notice()  # dense and LoRA runs too, whose strategy is Lightning's
     LoGRACLI(
         subclass_mode_model=True,
         subclass_mode_data=True,

@@ -21,6 +21,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_vllm)
 
 
+@pytest.fixture
+def no_alias_warned_yet(monkeypatch):
+    """Deprecated names warn once per process: a test that expects the warning starts
+    from none warned."""
+    from lightning_logra.core import validation
+
+    monkeypatch.setattr(validation, "_warned_aliases", set())
+
+
 @pytest.fixture(scope="session")
 def model_folder(tmp_path_factory) -> str:
     """A tiny random Qwen2 and its byte-level tokenizer saved as a Hugging Face folder."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, InitVar, asdict, dataclass, field, fields
 from typing import Any, Literal
+
+from lightning_logra.core.validation import FieldChecks, deprecated_attributes, is_integer, renamed_field
 
 DEFAULT_TARGET_MODULES: tuple[str, ...] = (
     "q_proj",
@@ -24,169 +25,188 @@ STRUCTURAL_FIELDS: tuple[str, ...] = (
     "rank",
     "seed",
     "distribution",
-    "refresh",
+    "redraw_projections",
     "target_modules",
     "share_projection_by_input",
 )
+
+# Renamed fields: deprecated name -> today's name. The old names are still accepted as
+# keyword arguments and YAML keys (they warn once per name per process), and a checkpoint's
+# saved configuration written under them is read under the new ones (``saved_config``).
+DEPRECATED_ALIASES: dict[str, str] = {
+    "temperature": "probe_temperature",
+    "refresh": "redraw_projections",
+    "row_chunk": "update_chunk_rows",
+    "probe_position_chunk": "probe_chunk_positions",
+    "probe_mlp_chunk": "probe_mlp_chunk_tokens",
+}
 
 # ``rank: auto`` resolves against the model's targets (``projection.auto_rank``).
 AUTO_RANK = "auto"
 
 
+@deprecated_attributes(DEPRECATED_ALIASES)
 @dataclass
 class LoGRAConfig:
     """Every LoGRA knob, with the defaults of the paper (section numbers of the spec).
 
-    Invalid values raise ``ValueError`` naming the field and its allowed range.
+    Invalid values raise ``ValueError`` naming the field and its allowed range. Renamed
+    fields keep their old names (``DEPRECATED_ALIASES``) as deprecated keyword arguments
+    and YAML keys, which warn once; a checkpoint's saved configuration is read under the
+    new names.
     """
 
-    # section 2: projections. rank "auto" (ours) picks a power of 4 from the targets' input
-    # widths when the sketches are installed (projection.auto_rank); LoGRAOptimizer then
-    # writes the resolved int back into this field, and that int is what checkpoints hold.
+    # section 2: projections
     rank: int | Literal["auto"] = 256
+    """Rank r of the projections A (r x input width). ``"auto"`` (ours) picks a power of 4
+    from the targets' input widths when the sketches are installed (``projection.auto_rank``);
+    ``LoGRAOptimizer`` then writes the resolved int back here, and that int is what
+    checkpoints hold."""
     seed: int = 42
+    """Base seed of the projections: every A is re-derived from it, the update number and
+    the layer's name."""
     distribution: Literal["rademacher", "gaussian"] = "rademacher"
-    refresh: bool = True
-    # (ours) q/k/v of one attention block, and gate/up of one MLP, read the same input: with
-    # this on they share one projection A, so X A^T is computed once per group (sketch.py).
+    """Entries of A: +-1/sqrt(r) (random signs), or N(0, 1)/sqrt(r)."""
+    redraw_projections: bool = True
+    """Draw a new A for every target after every update (the paper); false keeps the first
+    one for the whole run."""
     share_projection_by_input: bool = False
+    """(ours) q/k/v of one attention block, and gate/up of one MLP, read the same input: with
+    this on they share one projection A, so X A^T is computed once per group."""
     # section 1: which weights
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    """Last name components of the linear layers LoGRA trains (e.g. ``q_proj``)."""
     # section 5: RowAdam
     beta2: float = 0.95
+    """Decay of the per-row second moment, in (0, 1)."""
     epsilon: float = 1e-8
-    # section 6: global step size. Constant, as in the reference (the KL budget schedule is
-    # LoGRA's schedule); true scales it by the user's lr / initial lr (Lightning strategies).
+    """Relative epsilon: each row's RMS gets ``epsilon`` times the layer's mean row RMS added."""
+    # section 6: global step size
     update_ratio: float = 6e-5
+    """Size of the proposed update before the KL controller scales it: ||D A||_F is
+    ``update_ratio`` times the norm of all target weights. Constant, as in the reference
+    (the KL budget schedule is LoGRA's schedule)."""
     follow_lr_schedule: bool = False
-    # section 7: predicted-KL controller. kl_control=false steps unscaled (alpha = 1).
+    """Scale ``update_ratio`` by the user's lr / initial lr (Lightning strategies)."""
+    # section 7: predicted-KL controller
     kl_control: bool = True
+    """Scale each update to the KL budget; false steps unscaled (alpha = 1)."""
     kl_budget: float = 2e-4
+    """Predicted KL allowed per update at the start of the schedule."""
     kl_budget_final: float = 2e-5
+    """Budget at the end of the cosine schedule."""
     schedule_steps: int = 300
+    """Updates over which the budget goes from ``kl_budget`` to ``kl_budget_final``."""
     alpha_max: float = 3.0
-    temperature: float | None = None  # None: the probe batch's sampling temperature
+    """Largest step scale the controller may apply, >= 1."""
+    probe_temperature: float | None = None
+    """Temperature of the KL probe's softmax; None: the probe batch's sampling temperature."""
     probe_responses: int = 2
+    """Generated responses per rank the KL probe runs on."""
     probe_max_tokens: int = 4096
-    probe_position_chunk: int = 128  # attention queries / scored positions per block in the probe
-    probe_mlp_chunk: int = 512  # (ours) tokens per chunk of the probe's position-wise MLPs: their activations' memory
+    """Most real tokens per probe response."""
+    probe_chunk_positions: int = 128
+    """Attention queries and scored positions per block in the probe: bounds its score
+    blocks and full-vocabulary logits."""
+    probe_mlp_chunk_tokens: int = 512
+    """(ours) Tokens per chunk of the probe's position-wise MLPs: bounds their activations."""
     mismatch_subtraction: bool = True
+    """Subtract the rollout/trainer log-prob mismatch (an EMA) from the budget."""
     mismatch_ema_weight: float = 0.3
+    """Weight of a new observation in the mismatch EMA, in (0, 1]."""
     mismatch_budget_floor: float = 0.5
+    """The mismatch never lowers the budget below this fraction of it, in (0, 1]."""
     update_factor_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    # layout (beyond the reference): "auto" reduce-scatters sketches by weight rows when
-    # the weights are row-sharded over more than one rank, else all-reduces them.
+    """``alpha * D`` is rounded through this dtype before ``W -= (alpha D) A``."""
+    # layout (beyond the reference)
     sketch_reduction: Literal["auto", "all_reduce", "reduce_scatter"] = "auto"
-    # (ours) under the reduce-scatter layout, "sharded" reduce-scatters each layer's
-    # contribution in backward, per micro-batch, so a rank accumulates only its own rows;
-    # "local" accumulates every row and reduces once per step (fewer collectives when
-    # there are many micro-batches). "auto": sharded whenever sketches are reduce-scattered.
+    """How sketches are reduced across ranks. ``"auto"``: reduce-scattered by weight rows
+    when the weights are row-sharded over more than one rank, else all-reduced."""
     sketch_accumulation: Literal["auto", "sharded", "local"] = "auto"
-    row_chunk: int = 256
-    # reliability: a non-finite sketch, predicted KL or step scale skips the step (no
-    # weight touched) or raises; too many skips in a row stop the run
+    """(ours) Under the reduce-scatter layout, ``"sharded"`` reduce-scatters each layer's
+    contribution in backward, per micro-batch, so a rank accumulates only its own rows;
+    ``"local"`` accumulates every row and reduces once per step (fewer collectives with many
+    micro-batches). ``"auto"``: sharded whenever sketches are reduce-scattered."""
+    update_chunk_rows: int = 256
+    """Weight rows updated at a time by ``W -= (alpha D) A``: bounds the update's workspace."""
+    # reliability
     on_nonfinite: Literal["skip", "raise"] = "skip"
+    """A non-finite sketch, predicted KL or step scale skips the step (no weight touched)
+    or raises."""
     max_consecutive_skips: int = 3
+    """Skipped steps in a row that stop the run."""
 
-    def __post_init__(self) -> None:
-        self.target_modules = list(self.target_modules)
+    # Deprecated names (DEPRECATED_ALIASES): keyword arguments and YAML keys, None meaning not
+    # given; as attributes they read and write the new fields (deprecated_attributes). Never
+    # in to_dict(), repr or comparisons.
+    temperature: InitVar[float | None] = None
+    """Deprecated: use ``probe_temperature``."""
+    refresh: InitVar[bool | None] = None
+    """Deprecated: use ``redraw_projections``."""
+    row_chunk: InitVar[int | None] = None
+    """Deprecated: use ``update_chunk_rows``."""
+    probe_position_chunk: InitVar[int | None] = None
+    """Deprecated: use ``probe_chunk_positions``."""
+    probe_mlp_chunk: InitVar[int | None] = None
+    """Deprecated: use ``probe_mlp_chunk_tokens``."""
+
+    def __post_init__(self, temperature: float | None, refresh: bool | None, row_chunk: int | None,
+                      probe_position_chunk: int | None, probe_mlp_chunk: int | None) -> None:
+        given = {"temperature": temperature, "refresh": refresh, "row_chunk": row_chunk,
+                 "probe_position_chunk": probe_position_chunk, "probe_mlp_chunk": probe_mlp_chunk}
+        defaults = _defaults()
+        for old, new in DEPRECATED_ALIASES.items():
+            setattr(self, new, renamed_field("LoGRAConfig", old, new, given[old], getattr(self, new), defaults[new]))
+        if isinstance(self.target_modules, (list, tuple)):
+            self.target_modules = list(self.target_modules)
         self.validate()
 
     def validate(self) -> None:
-        _require(
-            self,
-            "rank",
-            self.rank == AUTO_RANK or (_integer(self.rank) and self.rank >= 1),
-            f"an integer >= 1 or {AUTO_RANK!r}",
-        )
-        _require(self, "seed", isinstance(self.seed, int) and self.seed >= 0, "an integer >= 0")
-        _choice(self, "distribution", ("rademacher", "gaussian"))
-        _require(self, "refresh", isinstance(self.refresh, bool), "true or false")
-        _require(self, "share_projection_by_input", isinstance(self.share_projection_by_input, bool), "true or false")
-        _require(
-            self,
-            "target_modules",
-            len(self.target_modules) > 0
-            and all(isinstance(t, str) and t and "." not in t for t in self.target_modules),
-            "a non-empty list of module names (last name component, e.g. 'q_proj')",
-        )
-        _open_unit(self, "beta2")
-        _positive(self, "epsilon")
-        _positive(self, "update_ratio")
-        _positive(self, "kl_budget")
-        _positive(self, "kl_budget_final")
-        _require(
-            self,
-            "schedule_steps",
-            isinstance(self.schedule_steps, int) and self.schedule_steps >= 1,
-            "an integer >= 1",
-        )
-        _require(self, "alpha_max", _finite(self.alpha_max) and self.alpha_max >= 1.0, ">= 1")
-        _require(self, "follow_lr_schedule", isinstance(self.follow_lr_schedule, bool), "true or false")
-        _require(self, "kl_control", isinstance(self.kl_control, bool), "true or false")
-        if self.temperature is not None:
-            _positive(self, "temperature")
-        _require(
-            self,
-            "probe_responses",
-            isinstance(self.probe_responses, int) and self.probe_responses >= 1,
-            "an integer >= 1",
-        )
-        _require(
-            self,
-            "probe_max_tokens",
-            isinstance(self.probe_max_tokens, int) and self.probe_max_tokens >= 1,
-            "an integer >= 1",
-        )
-        _require(
-            self,
-            "probe_position_chunk",
-            isinstance(self.probe_position_chunk, int) and self.probe_position_chunk >= 1,
-            "an integer >= 1",
-        )
-        _require(
-            self,
-            "probe_mlp_chunk",
-            isinstance(self.probe_mlp_chunk, int) and self.probe_mlp_chunk >= 1,
-            "an integer >= 1",
-        )
-        _require(self, "mismatch_subtraction", isinstance(self.mismatch_subtraction, bool), "true or false")
-        _require(
-            self,
-            "mismatch_ema_weight",
-            _finite(self.mismatch_ema_weight) and 0.0 < self.mismatch_ema_weight <= 1.0,
-            "in (0, 1]",
-        )
-        _require(
-            self,
-            "mismatch_budget_floor",
-            _finite(self.mismatch_budget_floor) and 0.0 < self.mismatch_budget_floor <= 1.0,
-            "in (0, 1]",
-        )
-        _choice(self, "update_factor_dtype", ("bfloat16", "float32"))
-        _choice(self, "sketch_reduction", ("auto", "all_reduce", "reduce_scatter"))
-        _choice(self, "sketch_accumulation", ("auto", "sharded", "local"))
-        _require(
-            self,
+        check = FieldChecks.of(self)
+        check.require("rank", self.rank == AUTO_RANK or (is_integer(self.rank) and self.rank >= 1),
+                      f"an integer >= 1 or {AUTO_RANK!r}")
+        check.integer("seed", at_least=0)
+        check.choice("distribution", ("rademacher", "gaussian"))
+        check.boolean("redraw_projections")
+        check.boolean("share_projection_by_input")
+        check.names("target_modules", allow_dots=False)
+        check.number("beta2", above=0, below=1)
+        check.number("epsilon", above=0)
+        check.number("update_ratio", above=0)
+        check.boolean("follow_lr_schedule")
+        check.boolean("kl_control")
+        check.number("kl_budget", above=0)
+        check.number("kl_budget_final", above=0)
+        check.integer("schedule_steps", at_least=1)
+        check.number("alpha_max", at_least=1)
+        check.number("probe_temperature", above=0, optional=True)
+        check.integer("probe_responses", at_least=1)
+        check.integer("probe_max_tokens", at_least=1)
+        check.integer("probe_chunk_positions", at_least=1)
+        check.integer("probe_mlp_chunk_tokens", at_least=1)
+        check.boolean("mismatch_subtraction")
+        check.number("mismatch_ema_weight", above=0, at_most=1)
+        check.number("mismatch_budget_floor", above=0, at_most=1)
+        check.choice("update_factor_dtype", ("bfloat16", "float32"))
+        check.choice("sketch_reduction", ("auto", "all_reduce", "reduce_scatter"))
+        check.choice("sketch_accumulation", ("auto", "sharded", "local"))
+        check.require(
             "sketch_accumulation",
             not (self.sketch_accumulation == "sharded" and self.sketch_reduction == "all_reduce"),
             "'local' or 'auto' with sketch_reduction='all_reduce' (every rank then needs every row)",
         )
-        _require(self, "row_chunk", isinstance(self.row_chunk, int) and self.row_chunk >= 1, "an integer >= 1")
-        _choice(self, "on_nonfinite", ("skip", "raise"))
-        _require(
-            self,
-            "max_consecutive_skips",
-            isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1,
-            "an integer >= 1",
-        )
+        check.integer("update_chunk_rows", at_least=1)
+        check.choice("on_nonfinite", ("skip", "raise"))
+        check.integer("max_consecutive_skips", at_least=1)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> LoGRAConfig:
-        known = {f.name for f in fields(cls)}
+        """From a dict of fields (a YAML mapping, ``to_dict``'s output); deprecated names are
+        accepted, and warn, as keyword arguments do."""
+        known = {f.name for f in fields(cls)} | set(DEPRECATED_ALIASES)
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"LoGRAConfig: unknown field(s) {unknown}; known fields: {sorted(known)}")
@@ -194,10 +214,12 @@ class LoGRAConfig:
 
     def structural_mismatches(self, other: dict[str, Any]) -> list[str]:
         """``"field: saved != mine"`` for every field in STRUCTURAL_FIELDS whose value differs
-        from ``other``; a field ``other`` lacks counts as its default.
+        from ``other`` (a saved configuration: deprecated names are read as the new ones); a
+        field ``other`` lacks counts as its default.
 
         A rank of ``"auto"`` is compared as written: compare the resolved configuration
         (``LoGRAOptimizer.config`` after construction holds the int in use)."""
+        other = saved_config(other)
         mine = self.to_dict()
         defaults = _defaults()
         saved = {name: other.get(name, defaults[name]) for name in STRUCTURAL_FIELDS}
@@ -205,7 +227,9 @@ class LoGRAConfig:
 
     def tuning_changes(self, other: dict[str, Any]) -> list[str]:
         """``"field: old -> new"`` for every non-structural field whose value differs from
-        ``other`` (the configuration a checkpoint was written with)."""
+        ``other`` (the configuration a checkpoint was written with; deprecated names are read
+        as the new ones)."""
+        other = saved_config(other)
         mine = self.to_dict()
         return [
             f"{name}: {other[name]!r} -> {mine[name]!r}"
@@ -214,32 +238,19 @@ class LoGRAConfig:
         ]
 
 
+def saved_config(values: dict[str, Any]) -> dict[str, Any]:
+    """A saved configuration (a checkpoint's) under today's field names: keys written under
+    a deprecated name (``DEPRECATED_ALIASES``) are renamed, silently. Raises ``ValueError``
+    if one holds both a deprecated name and its new name."""
+    renamed = dict(values)
+    for old, new in DEPRECATED_ALIASES.items():
+        if old in renamed:
+            if new in renamed:
+                raise ValueError(f"saved LoGRA configuration holds both {old!r} and {new!r} "
+                                 f"({old} is the deprecated name of {new})")
+            renamed[new] = renamed.pop(old)
+    return renamed
+
+
 def _defaults() -> dict[str, Any]:
     return {f.name: f.default_factory() if f.default_factory is not MISSING else f.default for f in fields(LoGRAConfig)}
-
-
-def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _require(config: LoGRAConfig, name: str, ok: bool, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"LoGRAConfig.{name} = {getattr(config, name)!r} is invalid: must be {allowed}")
-
-
-def _choice(config: LoGRAConfig, name: str, allowed: tuple[str, ...]) -> None:
-    _require(config, name, getattr(config, name) in allowed, "one of " + ", ".join(repr(a) for a in allowed))
-
-
-def _positive(config: LoGRAConfig, name: str) -> None:
-    value = getattr(config, name)
-    _require(config, name, _finite(value) and value > 0, "a finite number > 0")
-
-
-def _open_unit(config: LoGRAConfig, name: str) -> None:
-    value = getattr(config, name)
-    _require(config, name, _finite(value) and 0.0 < value < 1.0, "in (0, 1)")

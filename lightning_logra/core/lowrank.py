@@ -28,7 +28,7 @@ class LowRankUpdate:
     width: int
     distribution: str
     projection_dtype: torch.dtype
-    row_chunk: int
+    chunk_rows: int  # rows per chunk of the product, as the trainer applied it (update_chunk_rows)
 
     @property
     def nbytes(self) -> int:
@@ -44,24 +44,24 @@ class LowRankUpdate:
         """The trainer's own arithmetic (``update.apply_directions``), on a full weight."""
         projection = self.projection().to(weight.dtype)
         factor = self.factor.to(weight.dtype)
-        for row in range(0, weight.shape[0], self.row_chunk):
-            chunk = slice(row, min(row + self.row_chunk, weight.shape[0]))
+        for row in range(0, weight.shape[0], self.chunk_rows):
+            chunk = slice(row, min(row + self.chunk_rows, weight.shape[0]))
             weight[chunk].addmm_(factor[chunk], projection, alpha=-1.0)
 
 
 def low_rank_updates(sketches: SketchSet, factors: list[torch.Tensor], config: LoGRAConfig,
                      update: int) -> list[LowRankUpdate]:
     """The updates of step ``update`` (before it is counted), from each target's full-row
-    factor: the A each target used was drawn for this update number (``refresh``) or once."""
+    factor: the A each target used was drawn for this update number (``redraw_projections``) or once."""
     return [
         LowRankUpdate(
             name=f"{state.name}.weight",
             factor=factor.detach().float().cpu(),
-            seed=projection_seed(config.seed, update if config.refresh else 0, state.projection_name),
+            seed=projection_seed(config.seed, update if config.redraw_projections else 0, state.projection_name),
             width=state.projection.shape[1],
             distribution=config.distribution,
             projection_dtype=state.projection.dtype,
-            row_chunk=config.row_chunk,
+            chunk_rows=config.update_chunk_rows,
         )
         for state, factor in zip(sketches, factors)
     ]

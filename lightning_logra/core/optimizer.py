@@ -51,8 +51,8 @@ from lightning_logra.core.update import (
 )
 
 # What shrinks each phase's memory, for the error an out-of-memory in it raises.
-UPDATE_HINT = "logra.row_chunk (rows updated at a time), logra.rank"
-PROBE_HINT = "logra.probe_responses, logra.probe_max_tokens, logra.probe_position_chunk, logra.probe_mlp_chunk"
+UPDATE_HINT = "logra.update_chunk_rows (rows updated at a time), logra.rank"
+PROBE_HINT = "logra.probe_responses, logra.probe_max_tokens, logra.probe_chunk_positions, logra.probe_mlp_chunk_tokens"
 
 
 class LoGRAOptimizer(torch.optim.Optimizer):
@@ -108,7 +108,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         ``total``."""
         parts = {
             "sketch_accumulator": self.sketches.buffer.nbytes,
-            "accumulation_scratch": 0 if self.sketches.accumulator is None else self.sketches.accumulator.scratch_bytes(),
+            "accumulation_scratch": 0 if self.sketches.accumulator is None else self.sketches.accumulator.scratch_bytes,
             "projections": sum(projection.nbytes for _, projection in self.sketches.projections()),
             "second_moments": sum(state.second_moment.nbytes for state in self.sketches),
         }
@@ -256,14 +256,15 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         return probe_predicted_kl(
             self.model, self.probe_layers(), probe,
             temperature=self._temperature(probe), max_tokens=config.probe_max_tokens,
-            position_chunk=config.probe_position_chunk, mlp_chunk=config.probe_mlp_chunk, process_group=process_group,
+            position_chunk=config.probe_chunk_positions, mlp_chunk=config.probe_mlp_chunk_tokens,
+            process_group=process_group,
         )
 
     @torch.no_grad()
     def apply_update(
         self, *, alpha: float = 1.0, budget: Budget | None = None, record_low_rank: bool = False
     ) -> tuple[LowRankUpdate, ...] | None:
-        """Apply W -= alpha * D A to the local weight rows, ``row_chunk`` rows at a time;
+        """Apply W -= alpha * D A to the local weight rows, ``update_chunk_rows`` rows at a time;
         then commit the moments (and the controller's mismatch EMA with ``budget``), count
         the update, redraw the projections and zero the sketches. With ``record_low_rank``,
         return the update as (alpha D, seed of A) per target (``lowrank.py``)."""
@@ -383,8 +384,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------------- helpers
     def _temperature(self, probe: ProbeBatch) -> float:
-        """An explicit logra.temperature wins; else the probe's sampling temperature."""
-        return self.config.temperature if self.config.temperature is not None else probe.temperature
+        """An explicit logra.probe_temperature wins; else the probe's sampling temperature."""
+        return self.config.probe_temperature if self.config.probe_temperature is not None else probe.temperature
 
     def _skip(self, error: FloatingPointError, timings: dict[str, float]) -> StepReport:
         """No weight changes; too many skips in a row stop the run."""
@@ -411,7 +412,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
     def _redraw(self) -> None:
         """Each distinct A in place from its seed name (a shared A once, for its group)."""
-        update = self.update_count if self.config.refresh else 0
+        update = self.update_count if self.config.redraw_projections else 0
         for name, projection in self.sketches.projections():
             seed = projection_seed(self.config.seed, update, name)
             rank, width = projection.shape

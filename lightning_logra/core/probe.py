@@ -66,7 +66,7 @@ class ProbeBatch:
 
     @classmethod
     def from_mapping(cls, values: Mapping) -> ProbeBatch:
-        """From a dict such as ``LightningModule.logra_probe_batch()`` returns."""
+        """From its dict form (``input_ids``, ``attention_mask``, ``logits_mask``, optional ``position_ids`` and ``temperature``)."""
         if isinstance(values, ProbeBatch):
             return values
         missing = {"input_ids", "attention_mask", "logits_mask"} - set(values)

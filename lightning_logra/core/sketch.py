@@ -244,7 +244,7 @@ def install_sketches(
     for members in groups:
         name, module = targets[members[0]]
         dtype = projection_storage_dtype(rank, config.distribution, compute_dtype or module.weight.dtype)
-        seed = projection_seed(config.seed, update if config.refresh else 0, name)
+        seed = projection_seed(config.seed, update if config.redraw_projections else 0, name)
         projection = make_projection(rank, module.in_features, seed, device=device, dtype=dtype, distribution=config.distribution)
         shared = SharedProjectedInput(len(members)) if len(members) > 1 else None
         for index in members:

@@ -27,15 +27,15 @@ class PreparedUpdate:
 def apply_directions(sketches: SketchSet, directions: list[torch.Tensor], rows: list[tuple[int, int]], alpha: float,
                      config: LoGRAConfig) -> None:
     """W[rows] -= (alpha * D rounded to ``update_factor_dtype``) @ A for each target's
-    local rows, ``row_chunk`` rows at a time."""
+    local rows, ``update_chunk_rows`` rows at a time."""
     workspace = _UpdateWorkspace.allocate(sketches, rows, config)
     # Everything below runs in preallocated memory: an out-of-memory error can only
     # happen above, before any weight has changed, never halfway through the layers.
     for state, direction, (start, stop) in zip(sketches, directions, rows):
         weight = local_rows(state.weight)
         scaled, projection = workspace.scaled_and_projection(direction, state.projection, alpha)
-        for row in range(0, stop - start, config.row_chunk):
-            chunk = slice(row, min(row + config.row_chunk, stop - start))
+        for row in range(0, stop - start, config.update_chunk_rows):
+            chunk = slice(row, min(row + config.update_chunk_rows, stop - start))
             weight[chunk].addmm_(scaled[chunk], projection, alpha=-1.0)  # in place: no product tensor
 
 

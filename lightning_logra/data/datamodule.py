@@ -7,6 +7,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_logra.core.validation import FieldChecks
 from lightning_logra.data.sources import arithmetic_rows, read_rows, reasoning_gym_rows, validate_rows
 
 
@@ -66,10 +67,21 @@ class PromptDataModule(LightningDataModule):
         conversational: bool = False,
     ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if max_prompt_tokens is not None and tokenizer is None:
-            raise ValueError("max_prompt_tokens needs a tokenizer to count tokens")
+        check = FieldChecks("PromptDataModule", {
+            "batch_size": batch_size, "num_workers": num_workers, "skip_invalid_rows": skip_invalid_rows,
+            "max_prompt_tokens": max_prompt_tokens, "train_size": train_size, "val_size": val_size,
+            "seed": seed, "conversational": conversational,
+        })
+        check.integer("batch_size", at_least=1)
+        check.integer("num_workers", at_least=0)
+        check.boolean("skip_invalid_rows")
+        check.integer("max_prompt_tokens", at_least=1, optional=True)
+        check.integer("train_size", at_least=1)
+        check.integer("val_size", at_least=1)
+        check.integer("seed", at_least=0)
+        check.boolean("conversational")
+        check.require("max_prompt_tokens", max_prompt_tokens is None or tokenizer is not None,
+                      "None without a tokenizer to count tokens")
         self.sources = {"train": (train, train_split, train_size, seed), "val": (val, val_split, val_size, seed + 1)}
         self.tokenizer = tokenizer
         self.batch_size = batch_size

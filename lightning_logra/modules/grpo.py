@@ -20,10 +20,12 @@ import torch
 from torchmetrics import MeanMetric
 
 from lightning_logra.core.reliability import memory_phase
+from lightning_logra.core.validation import FieldChecks, deprecated_attributes, renamed_field
 from lightning_logra.hooks import LoGRAStepInputs, last_step_report
 from lightning_logra.models import enable_activation_checkpointing, load_policy, with_lora
 from lightning_logra.modules.completions import completion_table, log_completion_table
 from lightning_logra.rewards.runner import RewardRunner
+from lightning_logra.rollout.base import RolloutEngine
 from lightning_logra.rl.batch import BACKWARD_HINT, MicroBatching, RolloutBatch, backward_micro_batches
 from lightning_logra.rl.collectives import any_rank, gather_ranks
 from lightning_logra.rl.config import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
@@ -43,9 +45,13 @@ DEFAULT_REWARD = "lightning_logra.rewards.math:math_reward"
 # What shrinks each phase's memory, for the error an out-of-memory in it raises.
 ROLLOUT_HINT = ("rollout.max_new_tokens, rollout.num_generations, prompts per step (data batch_size), "
                 "rollout.gpu_memory_utilization (vLLM)")
+# Renamed arguments: deprecated name -> today's name (each warns once, as a keyword argument,
+# a YAML key or an attribute; checkpoints' hparams hold the new name).
+DEPRECATED_ALIASES: dict[str, str] = {"logprob_chunk_size": "logprob_chunk_positions"}
 MAX_EMPTY_UPDATES = 8  # updates in a row with no token to train on before the run stops
 
 
+@deprecated_attributes(DEPRECATED_ALIASES)
 class GRPOModule(L.LightningModule):
     """GRPO / Dr. GRPO / REINFORCE-with-baseline on any Hugging Face causal LM.
 
@@ -53,13 +59,17 @@ class GRPOModule(L.LightningModule):
     ``"smollm2-135m-instruct"``. Batches are ``{"prompt_text": [...], "prompt": [...],
     "answer": [...], <other columns>: [...]}`` (see ``PromptDataModule``); reward functions
     follow TRL's ``fn(completions, **columns)``. ``micro_batch_size`` rollouts go through each
-    forward/backward; log-probs are computed in chunks of ``logprob_chunk_size`` positions,
-    so full-vocabulary logits of a whole micro-batch never exist.
+    forward/backward; log-probs are computed in chunks of ``logprob_chunk_positions``
+    positions, so full-vocabulary logits of a whole micro-batch never exist.
 
     Each rollout batch trains ``num_iterations`` passes of ``mini_batches`` optimizer steps
     (whole prompt groups per mini-batch; ``max_steps`` counts optimizer steps). Every
     ``log_completions_every`` training steps (0: never) ``log_completions_count`` samples go
     to the loggers as a table.
+
+    Integer and number arguments are checked like the config dataclasses' fields
+    (``GRPOModule.<argument> = <value> is invalid: must be ...``). ``logprob_chunk_size`` is
+    the deprecated name of ``logprob_chunk_positions`` (it warns once).
     """
 
     def __init__(
@@ -78,33 +88,50 @@ class GRPOModule(L.LightningModule):
         log_completions_every: int = 0,
         log_completions_count: int = 8,
         activation_checkpointing: bool = True,
-        logprob_chunk_size: int = DEFAULT_CHUNK_SIZE,
+        logprob_chunk_positions: int = DEFAULT_CHUNK_SIZE,
         cache_dir: str | None = None,
         seed: int = 0,
+        logprob_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        logprob_chunk_positions = renamed_field("GRPOModule", "logprob_chunk_size", "logprob_chunk_positions",
+                                                logprob_chunk_size, logprob_chunk_positions, DEFAULT_CHUNK_SIZE,
+                                                stacklevel=3)
+        self.save_hyperparameters(ignore=list(DEPRECATED_ALIASES))  # the new names only
         self.loss_config = loss or LossConfig()
         self.rollout_config = rollout or RolloutConfig()
         self.optimizer_config = optimizer or OptimizerConfig()
-        for name, value, least in (("micro_batch_size", micro_batch_size, 1), ("num_iterations", num_iterations, 1),
-                                   ("mini_batches", mini_batches, 1), ("log_completions_every", log_completions_every, 0),
-                                   ("log_completions_count", log_completions_count, 1)):
-            if not (isinstance(value, int) and value >= least):
-                raise ValueError(f"{name} = {value!r} must be an integer >= {least}")
-        if self.loss_config.overlong_buffer > self.rollout_config.max_new_tokens:
-            raise ValueError(f"loss.overlong_buffer = {self.loss_config.overlong_buffer} must be <= "
-                             f"rollout.max_new_tokens = {self.rollout_config.max_new_tokens}")
-        if self.loss_config.type != "reinforce_baseline" and self.rollout_config.num_generations < 2:
-            raise ValueError(f"loss.type = {self.loss_config.type!r} needs rollout.num_generations >= 2 (group advantages)")
-        if lora is not None and self.rollout_config.engine == "vllm":
-            raise ValueError("rollout.engine='vllm' with lora is not supported: vLLM would need merged weights")
+        loss_type, buffer = self.loss_config.type, self.loss_config.overlong_buffer
+        generations, engine = self.rollout_config.num_generations, self.rollout_config.engine
+        check = FieldChecks("GRPOModule", {
+            "reward_timeout_s": reward_timeout_s, "micro_batch_size": micro_batch_size,
+            "num_iterations": num_iterations, "mini_batches": mini_batches,
+            "log_completions_every": log_completions_every, "log_completions_count": log_completions_count,
+            "activation_checkpointing": activation_checkpointing, "logprob_chunk_positions": logprob_chunk_positions,
+            "seed": seed, "loss.overlong_buffer": buffer, "rollout.num_generations": generations,
+            "rollout.engine": engine,
+        })
+        check.number("reward_timeout_s", above=0)
+        check.integer("micro_batch_size", at_least=1)
+        check.integer("num_iterations", at_least=1)
+        check.integer("mini_batches", at_least=1)
+        check.integer("log_completions_every", at_least=0)
+        check.integer("log_completions_count", at_least=1)
+        check.boolean("activation_checkpointing")
+        check.integer("logprob_chunk_positions", at_least=1)
+        check.integer("seed", at_least=0)
+        check.require("loss.overlong_buffer", buffer <= self.rollout_config.max_new_tokens,
+                      f"<= rollout.max_new_tokens = {self.rollout_config.max_new_tokens}")
+        check.require("rollout.num_generations", loss_type == "reinforce_baseline" or generations >= 2,
+                      f">= 2 with loss.type = {loss_type!r} (group advantages)")
+        check.require("rollout.engine", lora is None or engine != "vllm",
+                      "'hf' with lora: vLLM would need merged weights")
         self.micro_batch_size = micro_batch_size
         self.num_iterations = num_iterations
         self.mini_batches = mini_batches
         self.log_completions_every = log_completions_every
         self.log_completions_count = log_completions_count
-        self.logprob_chunk_size = logprob_chunk_size
+        self.logprob_chunk_positions = logprob_chunk_positions
         self.seed = seed
         self.automatic_optimization = False
 
@@ -197,7 +224,7 @@ class GRPOModule(L.LightningModule):
         metrics = step_metrics(scored, mask, rollout_batch.rollout_logprobs, old_logprobs, passes,
                                num_generations=self.rollout_config.num_generations, phase_seconds=phases.seconds,
                                started=started, sampling=sampling)
-        if getattr(self.engine, "last_sync_bytes", None) is not None:
+        if self.engine.last_sync_bytes is not None:
             metrics["perf/weight_sync_bytes"] = float(self.engine.last_sync_bytes)
         for key, value in metrics.items():
             self.log(key, value, on_step=True, prog_bar=key == "reward/mean", batch_size=1)
@@ -235,7 +262,7 @@ class GRPOModule(L.LightningModule):
     @property
     def _micro_batching(self) -> MicroBatching:
         return MicroBatching(loss=self.loss_config, micro_batch_size=self.micro_batch_size,
-                             temperature=self.rollout_config.temperature, chunk_size=self.logprob_chunk_size,
+                             temperature=self.rollout_config.temperature, chunk_size=self.logprob_chunk_positions,
                              max_completion_length=self.rollout_config.max_new_tokens, tis=self._tis)
 
     def _keep_low_rank_update(self) -> None:
@@ -337,10 +364,10 @@ class GRPOModule(L.LightningModule):
         """One call with grad (a micro-batch); micro-batched without (a whole rollout batch)."""
         if torch.is_grad_enabled():
             return sequence_logprobs(model, input_ids, attention_mask, temperature=self.rollout_config.temperature,
-                                     chunk_size=self.logprob_chunk_size, return_entropy=entropy)
+                                     chunk_size=self.logprob_chunk_positions, return_entropy=entropy)
         parts = [
             sequence_logprobs(model, input_ids[s : s + self.micro_batch_size], attention_mask[s : s + self.micro_batch_size],
-                              temperature=self.rollout_config.temperature, chunk_size=self.logprob_chunk_size)
+                              temperature=self.rollout_config.temperature, chunk_size=self.logprob_chunk_positions)
             for s in range(0, input_ids.shape[0], self.micro_batch_size)
         ]
         return torch.cat(parts)
@@ -368,7 +395,7 @@ class GRPOModule(L.LightningModule):
 
     # Rollout engine, built once the strategy has placed the model -----------------------------
     @property
-    def engine(self):
+    def engine(self) -> RolloutEngine:
         if self._engine is None:
             config = self.rollout_config
             if config.engine == "vllm":

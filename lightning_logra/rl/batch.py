@@ -25,7 +25,7 @@ from lightning_logra.rl.metrics import PassTotals
 from lightning_logra.rollout.base import Rollouts
 
 # What shrinks the forward/backward's memory, for the error an out-of-memory there raises.
-BACKWARD_HINT = "micro_batch_size, activation_checkpointing=true, logprob_chunk_size"
+BACKWARD_HINT = "micro_batch_size, activation_checkpointing=true, logprob_chunk_positions"
 
 
 @dataclass

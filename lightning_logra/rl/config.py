@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lightning_logra.core.config import DEFAULT_TARGET_MODULES
+from lightning_logra.core.validation import FieldChecks
 
 
 @dataclass
@@ -25,25 +26,44 @@ class LossConfig:
     """
 
     type: Literal["grpo", "dr_grpo", "gspo", "reinforce_baseline"] = "grpo"
+    """The policy loss (see the class description)."""
     epsilon_low: float = 0.2
+    """PPO clip below: the ratio is clipped at 1 - epsilon_low."""
     epsilon_high: float = 0.2
+    """PPO clip above: the ratio is clipped at 1 + epsilon_high (DAPO's clip-higher: larger)."""
     aggregation: Literal["token", "sequence"] = "token"
-    kl_coef: float = 0.0  # > 0 builds a frozen reference model for a k3 KL penalty
+    """Mean over all tokens of the batch, or over each sequence's tokens then sequences."""
+    kl_coef: float = 0.0
+    """Weight of a k3 KL penalty towards the initial policy; > 0 builds a frozen reference model."""
     tis: bool | None = None
+    """Truncated importance sampling in the clipped losses; None: on exactly with vLLM rollouts."""
     tis_cap: float = 2.0
+    """Cap of the rollout-engine/trainer importance ratio."""
     baseline_weight: float = 0.1
+    """``reinforce_baseline``: weight of each step's mean reward in the running baseline, in (0, 1]."""
     failure_reward: float = -0.01
+    """``reinforce_baseline``: every reward <= 0 becomes this before the baseline."""
     mask_truncated: bool = False
+    """Leave completions that hit ``rollout.max_new_tokens`` out of the loss."""
     overlong_buffer: int = 0
+    """Last tokens before ``rollout.max_new_tokens`` over which the overlong penalty grows; 0: off."""
     overlong_penalty: float = 1.0
+    """Penalty at ``rollout.max_new_tokens`` when ``overlong_buffer > 0``."""
 
     def __post_init__(self) -> None:
-        for name in ("epsilon_low", "epsilon_high", "tis_cap", "baseline_weight"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"loss.{name} = {getattr(self, name)!r} must be > 0")
-        for name in ("kl_coef", "overlong_buffer", "overlong_penalty"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"loss.{name} = {getattr(self, name)!r} must be >= 0")
+        check = FieldChecks.of(self)
+        check.choice("type", ("grpo", "dr_grpo", "gspo", "reinforce_baseline"))
+        check.number("epsilon_low", above=0)
+        check.number("epsilon_high", above=0)
+        check.choice("aggregation", ("token", "sequence"))
+        check.number("kl_coef", at_least=0)
+        check.boolean("tis", optional=True)
+        check.number("tis_cap", above=0)
+        check.number("baseline_weight", above=0, at_most=1)
+        check.number("failure_reward")
+        check.boolean("mask_truncated")
+        check.integer("overlong_buffer", at_least=0)
+        check.number("overlong_penalty", at_least=0)
 
 
 @dataclass
@@ -57,48 +77,62 @@ class RolloutConfig:
     dropped groups, and counted)."""
 
     engine: Literal["hf", "vllm"] = "hf"
+    """Who generates: ``hf`` (the training model itself) or ``vllm``."""
     num_generations: int = 8
+    """Completions sampled per prompt (the group of group-normalised advantages)."""
     max_new_tokens: int = 256
+    """Most tokens per completion."""
     temperature: float = 1.0
+    """Sampling temperature of the training rollouts (and of the trainer's log-probs)."""
     top_p: float = 1.0
-    top_k: int = 0  # 0: off
+    """Nucleus sampling of the training rollouts, in (0, 1]; 1: off (must be 1 with vLLM)."""
+    top_k: int = 0
+    """Top-k sampling of the training rollouts; 0: off (must be 0 with vLLM)."""
     dynamic_sampling: bool = False
+    """(DAPO) Replace groups whose rewards are all equal by groups of further prompts."""
     max_sampling_rounds: int = 3
+    """Extra generation rounds dynamic sampling may run per step."""
     val_temperature: float = 0.7
+    """Sampling temperature of validation."""
     val_top_p: float = 0.7
-    val_generations: int = 4  # n samples per validation prompt: pass@1 and pass@n
-    gpu_memory_utilization: float = 0.3  # vLLM on GPU only
-    kv_cache_gib: float = 1.0  # vLLM on CPU only: memory for its KV cache
-    # vLLM only: "lowrank" sends each LoGRA update as (alpha D, seed of A) and a full copy
-    # every full_sync_every syncs; "full" sends every weight every time
+    """Nucleus sampling of validation, in (0, 1]."""
+    val_generations: int = 4
+    """Samples per validation prompt: pass@1 and pass@n."""
+    gpu_memory_utilization: float = 0.3
+    """vLLM on GPU only: the fraction of GPU memory vLLM may take, in (0, 1]."""
+    kv_cache_gib: float = 1.0
+    """vLLM on CPU only: memory for its KV cache, in GiB."""
     weight_sync: Literal["full", "lowrank"] = "full"
+    """vLLM only: ``lowrank`` sends each LoGRA update as (alpha D, seed of A) and a full copy
+    every ``full_sync_every`` syncs; ``full`` sends every weight every time."""
     full_sync_every: int = 50
+    """``weight_sync: lowrank``: syncs between two full copies."""
 
     def __post_init__(self) -> None:
-        for name in ("num_generations", "max_new_tokens", "val_generations"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
-                raise ValueError(f"rollout.{name} = {getattr(self, name)!r} must be an integer >= 1")
-        if self.weight_sync == "lowrank" and self.engine != "vllm":
-            raise ValueError("rollout.weight_sync='lowrank' needs rollout.engine='vllm': the HF engine generates "
-                             "with the training model itself and syncs nothing")
-        if not (isinstance(self.full_sync_every, int) and self.full_sync_every >= 1):
-            raise ValueError(f"rollout.full_sync_every = {self.full_sync_every!r} must be an integer >= 1")
-        if not self.kv_cache_gib > 0:
-            raise ValueError(f"rollout.kv_cache_gib = {self.kv_cache_gib!r} must be > 0")
-        if self.engine == "vllm" and (self.top_p < 1 or self.top_k):
-            raise ValueError(
-                f"rollout.top_p = {self.top_p!r} / rollout.top_k = {self.top_k!r} with rollout.engine='vllm': vLLM's "
-                "log-probs are then those of the truncated distribution, the trainer's of the full one; use "
-                "top_p: 1.0 and top_k: 0 for training rollouts (val_top_p applies to validation only)")
-        for name in ("top_k", "max_sampling_rounds"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
-                raise ValueError(f"rollout.{name} = {getattr(self, name)!r} must be an integer >= 0")
-        for name in ("temperature", "val_temperature"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"rollout.{name} = {getattr(self, name)!r} must be > 0")
-        for name in ("top_p", "val_top_p", "gpu_memory_utilization"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"rollout.{name} = {getattr(self, name)!r} must be in (0, 1]")
+        check = FieldChecks.of(self)
+        check.choice("engine", ("hf", "vllm"))
+        check.integer("num_generations", at_least=1)
+        check.integer("max_new_tokens", at_least=1)
+        check.number("temperature", above=0)
+        check.number("top_p", above=0, at_most=1)
+        check.integer("top_k", at_least=0)
+        check.boolean("dynamic_sampling")
+        check.integer("max_sampling_rounds", at_least=0)
+        check.number("val_temperature", above=0)
+        check.number("val_top_p", above=0, at_most=1)
+        check.integer("val_generations", at_least=1)
+        check.number("gpu_memory_utilization", above=0, at_most=1)
+        check.number("kv_cache_gib", above=0)
+        check.choice("weight_sync", ("full", "lowrank"))
+        check.integer("full_sync_every", at_least=1)
+        check.require("weight_sync", self.weight_sync == "full" or self.engine == "vllm",
+                      "'full' unless engine='vllm': the HF engine generates with the training model itself "
+                      "and syncs nothing")
+        # vLLM's log-probs would be those of the truncated distribution, the trainer's of the full one.
+        truncation = ("with engine='vllm' (its log-probs would be those of the truncated distribution, the "
+                      "trainer's of the full one; val_top_p applies to validation only)")
+        check.require("top_p", self.engine != "vllm" or self.top_p == 1, f"1.0 {truncation}")
+        check.require("top_k", self.engine != "vllm" or self.top_k == 0, f"0 {truncation}")
 
 
 @dataclass
@@ -108,17 +142,26 @@ class OptimizerConfig:
     step is ``logra.update_ratio``, and its schedule is the KL budget's."""
 
     lr: float = 1e-6
+    """Peak learning rate of AdamW."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's moment decays, each in [0, 1)."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     warmup_steps: int = 9
-    decay_steps: int = 300  # cosine to min_lr_ratio over this many steps; 0 keeps the lr constant
+    """Optimizer steps of linear warm-up from 0."""
+    decay_steps: int = 300
+    """Cosine decay to ``min_lr_ratio`` over this many steps; 0 keeps the lr constant."""
     min_lr_ratio: float = 0.1
+    """The lr at the end of the decay, as a fraction of ``lr``, in [0, 1]."""
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"optimizer.lr = {self.lr!r} must be > 0")
-        if self.warmup_steps < 0 or self.decay_steps < 0:
-            raise ValueError("optimizer.warmup_steps and optimizer.decay_steps must be >= 0")
+        check = FieldChecks.of(self)
+        check.number("lr", above=0)
+        check.number_list("betas", 2, at_least=0, below=1)
+        check.number("weight_decay", at_least=0)
+        check.integer("warmup_steps", at_least=0)
+        check.integer("decay_steps", at_least=0)
+        check.number("min_lr_ratio", at_least=0, at_most=1)
 
 
 @dataclass
@@ -126,6 +169,17 @@ class LoRAConfig:
     """The LoRA baseline (peft), on the same projections LoGRA trains."""
 
     rank: int = 256
+    """Rank of the adapters."""
     alpha: float = 512.0
+    """LoRA's scaling numerator: the adapters' product is scaled by alpha / rank."""
     dropout: float = 0.0
+    """Dropout on the adapters' input, in [0, 1)."""
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    """Names of the linear layers that get adapters (peft's ``target_modules``)."""
+
+    def __post_init__(self) -> None:
+        check = FieldChecks.of(self)
+        check.integer("rank", at_least=1)
+        check.number("alpha", above=0)
+        check.number("dropout", at_least=0, below=1)
+        check.names("target_modules")

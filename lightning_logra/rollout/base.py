@@ -1,10 +1,14 @@
 """What a rollout engine returns, and the interface every engine implements."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+from lightning_logra.core.lowrank import LowRankUpdate
 
 
 @dataclass
@@ -32,13 +36,24 @@ class Rollouts:
     prompt_length: int
 
 
+@runtime_checkable
 class RolloutEngine(Protocol):
+    """What ``GRPOModule`` asks of an engine: samples, and weights brought up to date."""
+
+    last_sync_bytes: int | None
+    """Bytes the last ``sync_weights`` took from the trainer; None for an engine that
+    generates with the training model itself (nothing to send)."""
+
     def generate(
         self, prompts: list[str], *, num_generations: int, temperature: float | None = None, top_p: float | None = None
-    ) -> Rollouts: ...
+    ) -> Rollouts:
+        """``num_generations`` samples of each prompt in group layout; ``temperature`` and
+        ``top_p`` override the engine's own for this call (validation)."""
+        ...
 
-    def sync_weights(self, model: nn.Module) -> None:
-        """Make the engine sample from ``model``'s current weights."""
+    def sync_weights(self, model: nn.Module, low_rank_updates: list[LowRankUpdate] | None = None) -> None:
+        """Make the engine sample from ``model``'s current weights; an engine that takes
+        ``low_rank_updates`` (the LoGRA updates since the last sync) may apply those instead."""
         ...
 
 

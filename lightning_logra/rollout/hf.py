@@ -7,6 +7,7 @@ generated token) until it returns. At scale use the vLLM engine.
 import torch
 from torch import nn
 
+from lightning_logra.core.lowrank import LowRankUpdate
 from lightning_logra.rollout.base import Rollouts, check_request, pack_rollouts
 
 
@@ -53,7 +54,9 @@ class HFRolloutEngine:
         self.do_sample = do_sample
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
 
-    def sync_weights(self, model: nn.Module) -> None:
+    last_sync_bytes = None  # nothing is ever sent: the engine generates with the training model
+
+    def sync_weights(self, model: nn.Module, low_rank_updates: list[LowRankUpdate] | None = None) -> None:
         """Nothing to do: the engine generates with the training model itself."""
 
     @torch.no_grad()

@@ -22,6 +22,7 @@ from lightning_logra.core.reliability import verify_ranks_agree
 from lightning_logra.core.report import StepReport
 from lightning_logra.core.sketch import is_target_name
 from lightning_logra.hooks import ProvidesFrozenModels, ProvidesLoGRAModel, found_hooks, step_inputs
+from lightning_logra.notices import quiet_lightning_pytree_notice
 from lightning_logra.strategies.checkpoint import (
     load_folder,
     require_folder,
@@ -227,6 +228,7 @@ class LoGRAStrategyMixin:
         return self.runtime.last_report
 
     def setup_environment(self) -> None:
+        quiet_lightning_pytree_notice()
         # Data-parallel only: every process is one data-parallel rank (one FSDP2 shard when several).
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()

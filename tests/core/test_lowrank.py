@@ -8,11 +8,11 @@ from lightning_logra import ProbeBatch
 from tests.core.test_step import backward, make, weights
 
 
-@pytest.mark.parametrize("refresh", [True, False])
-def test_low_rank_updates_reproduce_the_trainers_weights_exactly(refresh):
-    model, optimizer = make(refresh=refresh)
+@pytest.mark.parametrize("redraw_projections", [True, False])
+def test_low_rank_updates_reproduce_the_trainers_weights_exactly(redraw_projections):
+    model, optimizer = make(redraw_projections=redraw_projections)
     copy = weights(optimizer)
-    for step in range(3):  # A is redrawn after every update (refresh): each step has its own seeds
+    for step in range(3):  # A is redrawn after every update (redraw_projections): each step has its own seeds
         projections = [state.projection.clone() for state in optimizer.sketches]
         batch = backward(model, optimizer, step)
         report = optimizer.step(probe=ProbeBatch.from_token_batch(batch), record_low_rank=True)

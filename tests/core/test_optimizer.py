@@ -1,10 +1,13 @@
+import json
 import math
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
 from lightning_logra import LoGRAConfig, LoGRAOptimizer
+from lightning_logra.core.config import DEPRECATED_ALIASES
 
 TARGETS = ["up_proj", "down_proj"]
 
@@ -91,8 +94,8 @@ def test_applied_update_is_w_minus_alpha_d_a(factor_dtype):
         assert state.sketch.abs().sum() == 0
 
 
-def test_projection_is_fixed_without_refresh():
-    model, optimizer = make(refresh=False)
+def test_projection_is_fixed_without_redrawing():
+    model, optimizer = make(redraw_projections=False)
     before = [state.projection.clone() for state in optimizer.sketches]
     train_step(model, optimizer, 0)
     assert all(torch.equal(s.projection, b) for s, b in zip(optimizer.sketches, before))
@@ -214,6 +217,36 @@ def test_loading_a_state_from_another_config_is_an_error(field, value):
     _, other = make(**{field: value})
     with pytest.raises(ValueError, match=field):
         other.load_state_dict(state)
+
+
+def with_old_field_names(state: dict) -> dict:
+    """``state`` as a checkpoint written before the renames (DEPRECATED_ALIASES) holds it."""
+    config = json.loads(bytes(state["config"].tolist()).decode())
+    for old, new in DEPRECATED_ALIASES.items():
+        config[old] = config.pop(new)
+    encoded = json.dumps(config, sort_keys=True).encode()
+    return {**state, "config": torch.tensor(list(encoded), dtype=torch.uint8)}
+
+
+def test_a_checkpoint_written_under_the_old_field_names_resumes_silently():
+    model, optimizer = make(update_chunk_rows=100)
+    train_step(model, optimizer, 0)
+    state = with_old_field_names(optimizer.state_dict())
+    _, resumed = make(update_chunk_rows=100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither a deprecation nor a "changed settings" warning
+        resumed.load_state_dict(state)
+    assert resumed.update_count == 1
+
+
+def test_a_checkpoint_under_the_old_field_names_is_still_compared_field_by_field():
+    _, optimizer = make(redraw_projections=False, update_chunk_rows=100)
+    state = with_old_field_names(optimizer.state_dict())
+    _, other = make()
+    with pytest.raises(ValueError, match="redraw_projections: False != True"):
+        other.load_state_dict(state)
+    _, retuned = make(redraw_projections=False)
+    assert retuned.check_state(state) == ["update_chunk_rows: 100 -> 256"]
 
 
 def test_state_dict_holds_moments_counter_and_mismatch():

@@ -114,7 +114,7 @@ def test_out_of_memory_names_the_phase_and_changes_no_weight(monkeypatch):
     monkeypatch.setattr(LoGRAOptimizer, "apply_update", exhausted)
     module = PoisonedLoss(poisoned_steps=[])
     before = {k: v.clone() for k, v in module.state_dict().items()}
-    with pytest.raises(torch.OutOfMemoryError, match="during the update phase.*logra.row_chunk.*Tried to allocate"):
+    with pytest.raises(torch.OutOfMemoryError, match="during the update phase.*logra.update_chunk_rows.*Tried to allocate"):
         fit(module, config(), steps=1)
     after = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in module.state_dict().items()}
     assert all(torch.equal(before[k], after[k]) for k in before)

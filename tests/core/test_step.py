@@ -65,7 +65,7 @@ def test_step_runs_the_whole_update_and_reports_it():
 def probe_settings(optimizer) -> dict:
     """The optimizer's probe packing and chunking, so that a direct call sums in the same order
     (with 2 threads, a different packing changes float32 round-off on some CPUs)."""
-    return {"max_tokens": optimizer.config.probe_max_tokens, "position_chunk": optimizer.config.probe_position_chunk}
+    return {"max_tokens": optimizer.config.probe_max_tokens, "position_chunk": optimizer.config.probe_chunk_positions}
 
 
 def test_step_predicts_on_the_first_probe_responses_only():
@@ -98,7 +98,7 @@ def test_probe_temperature_is_the_sampling_temperature_unless_set():
     assert at_07 > 1.5 * at_1  # the KL of a logit change grows as the temperature falls
     sampled = dataclasses.replace(ProbeBatch.from_token_batch(batch[:2]), temperature=0.7)
     assert optimizer.predict_kl(sampled) == at_07
-    optimizer.config.temperature = 1.0  # an explicit value wins over the batch's
+    optimizer.config.probe_temperature = 1.0  # an explicit value wins over the batch's
     assert optimizer.predict_kl(sampled) == at_1
 
 

@@ -1,5 +1,6 @@
 import importlib.util
 import json
+import re
 
 import lightning as L
 import pyarrow
@@ -308,3 +309,24 @@ def test_instruction_needs_a_user_message_in_a_conversational_prompt(tmp_path):
     rows = [{"prompt": [{"role": "system", "content": "Only a system turn."}]}]
     with pytest.raises(ValueError, match="a prompt has no 'user' message"):
         first_val_batch(tmp_path, rows, instruction=" Be brief.")
+
+
+@pytest.mark.parametrize(("argument", "value", "allowed"), [
+    ("batch_size", 0, "an integer >= 1"),
+    ("batch_size", True, "an integer >= 1"),
+    ("num_workers", -1, "an integer >= 0"),
+    ("train_size", 2.5, "an integer >= 1"),
+    ("seed", -1, "an integer >= 0"),
+    ("max_prompt_tokens", 0, "an integer >= 1 or None"),
+    ("skip_invalid_rows", "yes", "true or false"),
+])
+def test_datamodule_arguments_are_checked_like_config_fields(argument, value, allowed):
+    with pytest.raises(ValueError, match=rf"PromptDataModule\.{argument} = {re.escape(repr(value))} is invalid: "
+                                         rf"must be {re.escape(allowed)}"):
+        PromptDataModule(train="arithmetic", tokenizer="unused", **{argument: value})
+
+
+def test_max_prompt_tokens_needs_a_tokenizer():
+    with pytest.raises(ValueError, match=r"PromptDataModule\.max_prompt_tokens = 8 is invalid: must be None without "
+                                         r"a tokenizer"):
+        PromptDataModule(train="arithmetic", max_prompt_tokens=8)

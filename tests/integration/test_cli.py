@@ -6,8 +6,11 @@ from pathlib import Path
 
 import mlflow
 import pytest
+import yaml
 
-from lightning_logra.cli import main
+from lightning_logra.cli import LoGRACLI, main
+from lightning_logra.core.config import DEPRECATED_ALIASES as LOGRA_ALIASES
+from lightning_logra.modules.grpo import DEPRECATED_ALIASES as GRPO_ALIASES
 from tests.distributed import child_environment
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,3 +95,75 @@ def test_shipped_configs_parse(config, capsys, monkeypatch):
         main(["fit", "-c", str(config), "--print_config"])
     assert exit_info.value.code in (0, None)
     assert "class_path: lightning_logra.modules.GRPOModule" in capsys.readouterr().out
+
+
+OLD_NAMES = """
+trainer:
+  accelerator: cpu
+  devices: 1
+  max_steps: 1
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  strategy:
+    class_path: lightning_logra.LoGRAFSDPStrategy
+    init_args:
+      logra:
+        rank: 8
+        refresh: false
+        temperature: 0.9
+        probe_position_chunk: 32
+model:
+  class_path: lightning_logra.modules.GRPOModule
+  init_args:
+    model: {folder}
+    logprob_chunk_size: 64
+    rollout:
+      num_generations: 2
+      max_new_tokens: 6
+data:
+  class_path: lightning_logra.data.PromptDataModule
+  init_args:
+    train: arithmetic
+    tokenizer: {folder}
+"""
+
+
+def test_deprecated_names_in_a_yaml_config_warn_once_each_and_apply(tmp_path, model_folder, no_alias_warned_yet):
+    path = tmp_path / "old_names.yaml"
+    path.write_text(OLD_NAMES.format(folder=model_folder))
+    with pytest.warns(FutureWarning) as caught:
+        cli = LoGRACLI(subclass_mode_model=True, subclass_mode_data=True, save_config_callback=None,
+                       parser_kwargs={"parser_mode": "omegaconf"}, args=["-c", str(path)], run=False)
+    deprecated = sorted(str(w.message).split(":")[0] for w in caught if "is deprecated: use" in str(w.message))
+    assert deprecated == [
+        "GRPOModule.logprob_chunk_size is deprecated",
+        "LoGRAConfig.probe_position_chunk is deprecated",
+        "LoGRAConfig.refresh is deprecated",
+        "LoGRAConfig.temperature is deprecated",
+    ]
+    config = cli.trainer.strategy.logra_config
+    assert (config.redraw_projections, config.probe_temperature, config.probe_chunk_positions) == (False, 0.9, 32)
+    assert cli.model.logprob_chunk_positions == 64
+
+
+def test_shipped_configs_use_no_deprecated_name():
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        config = yaml.safe_load(path.read_text())
+        strategy = config["trainer"].get("strategy")
+        logra = strategy.get("init_args", {}).get("logra") or {} if isinstance(strategy, dict) else {}
+        assert not set(logra) & set(LOGRA_ALIASES), path.name
+        assert not set(config["model"]["init_args"]) & set(GRPO_ALIASES), path.name
+
+
+@pytest.mark.parametrize(("args", "documented"), [
+    (["--trainer.strategy.help=lightning_logra.LoGRAFSDPStrategy", "--trainer.strategy.logra.help"],
+     ["Temperature of the KL probe's softmax", "Deprecated: use ``redraw_projections``"]),
+    (["--model.help=lightning_logra.modules.GRPOModule", "--model.loss.help"], ["PPO clip above"]),
+])
+def test_help_shows_the_config_fields_docstrings(args, documented, capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", *args])
+    printed = " ".join(capsys.readouterr().out.split())  # help text is wrapped
+    for text in documented:
+        assert text in printed

@@ -4,7 +4,7 @@ the per-step reduction (local)."""
 import pytest
 import torch
 
-from lightning_logra import LoGRAConfig, LoGRAOptimizer
+from lightning_logra import LoGRAConfig, LoGRAOptimizer, memory_report
 from tests.distributed import run_on_two_ranks
 from tests.integration.test_distributed_core import Mlp  # up_proj has 301 rows: FSDP2 splits them 151 + 150
 
@@ -60,7 +60,10 @@ def _training_worker(rank, world, accumulation, micro_batches):
     train(model, optimizer, batches(rank, 2, micro_batches),
           on_backward=lambda o: reduced.append(o.sketches.buffer.numel()))
     moments = optimizer.state_dict()["second_moments"]
+    projection_dtype = optimizer.sketches.projections()[0][1].dtype
+    predicted = memory_report(model, optimizer.config, world_size=world, compute_dtype=projection_dtype)
     return {"accumulation": optimizer.layout.accumulation, "buffer": reduced[0],
+            "state_bytes": optimizer.state_bytes(), "predicted": predicted,
             "weights": [full(state.weight) for state in optimizer.sketches],
             "moments": [full(moments[name]) for name in TARGETS]}
 
@@ -73,6 +76,19 @@ def test_sharded_accumulation_equals_the_per_step_reduction(micro_batches):
     # Every row on every rank, against the rank's own rows: up_proj 151 + 150, down_proj 4 + 4.
     assert [r["buffer"] for r in local] == [(301 + 8) * RANK] * 2
     assert [r["buffer"] for r in sharded] == [(151 + 4) * RANK, (150 + 4) * RANK]
+    # What the optimizer holds, by part, is what memory_report predicts from shapes alone for
+    # the largest shard (rank 0: FSDP2 gives the first ranks ceil(rows / world) rows); rank 1
+    # owns one up_proj row fewer.
+    for run in (local[0], sharded[0]):
+        state, predicted = run["state_bytes"], run["predicted"]
+        assert state["sketch_accumulator"] == run["buffer"] * 4 == predicted.sketch_accumulator_bytes
+        assert state["accumulation_scratch"] == predicted.accumulation_scratch_bytes
+        assert state["projections"] == predicted.projection_bytes
+        assert state["second_moments"] == predicted.second_moment_bytes
+        assert state["total"] == predicted.logra_state_bytes
+    assert local[1]["state_bytes"]["second_moments"] == local[0]["state_bytes"]["second_moments"] - 4
+    assert sharded[1]["state_bytes"]["total"] == sharded[0]["state_bytes"]["total"] - 4 - RANK * 4
+    assert [r["state_bytes"]["accumulation_scratch"] > 0 for r in local + sharded] == [False, False, True, True]
     for a, b in zip(local, sharded):
         for expected, got in zip(a["weights"] + a["moments"], b["weights"] + b["moments"]):
             if micro_batches == 1:

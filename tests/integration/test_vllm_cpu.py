@@ -48,8 +48,11 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(folder):
     from lightning_logra.rollout import VLLMRolloutEngine
+    from lightning_logra.rollout.base import RolloutEngine
 
-    return VLLMRolloutEngine(folder, max_new_tokens=8, temperature=0.7, kv_cache_gib=0.25)
+    engine = VLLMRolloutEngine(folder, max_new_tokens=8, temperature=0.7, kv_cache_gib=0.25)
+    assert isinstance(engine, RolloutEngine)  # the whole Protocol GRPOModule relies on
+    return engine
 
 
 def trainer_logprobs(model, rollouts, temperature):

@@ -1,5 +1,6 @@
 """End-to-end: GRPOModule fits a tiny random Qwen2 with LoGRA, dense AdamW and LoRA."""
 
+import re
 import warnings
 
 import lightning as L
@@ -166,12 +167,37 @@ def test_learning_rate_schedule_is_warmup_then_cosine():
 
 
 def test_invalid_settings_name_the_field(model_folder):
-    with pytest.raises(ValueError, match="rollout.num_generations"):
+    with pytest.raises(ValueError, match=r"RolloutConfig.num_generations = 0 is invalid: must be an integer >= 1"):
         RolloutConfig(num_generations=0)
-    with pytest.raises(ValueError, match="loss.tis_cap"):
+    with pytest.raises(ValueError, match=r"LossConfig.tis_cap = 0 is invalid: must be a finite number > 0"):
         LossConfig(tis_cap=0)
-    with pytest.raises(ValueError, match="vllm"):
+    with pytest.raises(ValueError, match=r"GRPOModule.rollout.engine = 'vllm' is invalid: must be 'hf' with lora"):
         module(model_folder, rollout=RolloutConfig(engine="vllm"), lora=LoRAConfig())
+
+
+@pytest.mark.parametrize(("argument", "value", "allowed"), [
+    ("micro_batch_size", True, "an integer >= 1"),
+    ("num_iterations", 0, "an integer >= 1"),
+    ("log_completions_every", -1, "an integer >= 0"),
+    ("logprob_chunk_positions", 0, "an integer >= 1"),
+    ("reward_timeout_s", float("inf"), "a finite number > 0"),
+    ("seed", -1, "an integer >= 0"),
+    ("activation_checkpointing", 1, "true or false"),
+])
+def test_module_arguments_are_checked_like_config_fields(model_folder, argument, value, allowed):
+    with pytest.raises(ValueError, match=rf"GRPOModule\.{argument} = {re.escape(repr(value))} is invalid: "
+                                         rf"must be {re.escape(allowed)}"):
+        module(model_folder, **{argument: value})
+
+
+def test_logprob_chunk_size_is_the_deprecated_name_of_logprob_chunk_positions(model_folder, no_alias_warned_yet):
+    with pytest.warns(FutureWarning, match="GRPOModule.logprob_chunk_size is deprecated: use logprob_chunk_positions"):
+        grpo = module(model_folder, logprob_chunk_size=64)
+    assert grpo.logprob_chunk_positions == 64 and grpo._micro_batching.chunk_size == 64
+    assert grpo.hparams["logprob_chunk_positions"] == 64 and "logprob_chunk_size" not in grpo.hparams
+    assert grpo.logprob_chunk_size == 64  # read through the new name (warned once already)
+    with pytest.raises(ValueError, match="are both given"):
+        module(model_folder, logprob_chunk_size=64, logprob_chunk_positions=32)
 
 
 def _two_rank_fit(rank, world, folder):

@@ -1,5 +1,7 @@
 import importlib.util
 
+import inspect
+
 import pytest
 import torch
 from transformers.generation.logits_process import TopPLogitsWarper
@@ -80,6 +82,19 @@ def rollouts(model, tokenizer):
     assert model.training
     model.eval()
     return result
+
+
+def test_both_engines_implement_the_whole_engine_protocol(model, tokenizer):
+    from lightning_logra.rollout.base import RolloutEngine
+
+    engine = HFRolloutEngine(model, tokenizer, max_new_tokens=8)
+    assert isinstance(engine, RolloutEngine) and engine.last_sync_bytes is None
+    engine.sync_weights(model, low_rank_updates=[])  # the same call GRPOModule makes of vLLM
+    # vLLM's engine needs vLLM to construct (tests/integration/test_vllm_cpu.py checks an
+    # instance); its methods take what the Protocol's do.
+    for name in ("generate", "sync_weights"):
+        expected = list(inspect.signature(getattr(RolloutEngine, name)).parameters)
+        assert list(inspect.signature(getattr(VLLMRolloutEngine, name)).parameters)[: len(expected)] == expected
 
 
 def test_hf_rollouts_layout_and_group_order(rollouts, tokenizer):
