@@ -1,11 +1,13 @@
 """The ``logra`` command: LightningCLI (fit/validate, YAML configs, OmegaConf
-interpolation) with LoGRA's strategy registered and MLflow tracking wired in, and
+interpolation) with LoGRA's strategy registered, MLflow tracking wired in, our progress bar
+and model summary added unless the Trainer's flags turn them off, and
 ``logra export`` (a checkpoint to a Hugging Face folder), parsed apart from the
 LightningCLI, which knows only Trainer methods as subcommands."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import tempfile
@@ -13,11 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from jsonargparse import set_parsing_settings
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
+from typing_extensions import override
 
 import lightning_logra  # noqa: F401  (registers the "logra_fsdp" strategy name)
-from lightning_logra.notices import quiet_lightning_pytree_notice
+from lightning_logra.notices import quiet_lightning_console, quiet_lightning_pytree_notice
 
 MLFLOW_LOGGER = "lightning.pytorch.loggers.MLFlowLogger"
 EXPORT_HELP = ("logra export --ckpt_path PATH --out DIR: write a checkpoint's policy as a Hugging Face folder "
@@ -51,14 +56,34 @@ class MLflowConfigCallback(SaveConfigCallback):
                     logger.experiment.log_artifact(logger.run_id, str(path))
 
 
+# (Trainer flag, the kind of callback it switches, what the CLI adds when none is listed)
+DEFAULT_CALLBACKS = (
+    ("enable_progress_bar", ProgressBar, "lightning_logra.callbacks.StepProgressBar"),
+    ("enable_model_summary", ModelSummary, "lightning_logra.callbacks.LoGRAModelSummary"),
+)
+
+
 class LoGRACLI(LightningCLI):
+    """LightningCLI with MLflow's default store, and our progress bar and model summary
+    added when the Trainer's flags leave them on and no config lists one of their kind
+    (so ``--trainer.enable_progress_bar=false`` works with every config)."""
+
+    @override
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        for logger in _as_list(config.get("trainer", {}).get("logger")):
+        trainer = config.get("trainer") or Namespace()
+        for logger in _as_list(trainer.get("logger")):
             if _class_path(logger) == MLFLOW_LOGGER:
                 init_args = logger["init_args"]
                 if not init_args.get("tracking_uri") or str(init_args["tracking_uri"]).startswith("file:"):
                     init_args["tracking_uri"] = default_tracking_uri()
+        callbacks = _as_list(trainer.get("callbacks"))
+        listed = [_import(_class_path(callback)) for callback in callbacks if _class_path(callback)]
+        for flag, kind, class_path in DEFAULT_CALLBACKS:
+            if trainer.get(flag) is not False and not any(isinstance(c, type) and issubclass(c, kind) for c in listed):
+                callbacks.append(Namespace(class_path=class_path, init_args=Namespace()))
+        if callbacks:
+            trainer["callbacks"] = callbacks
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -72,6 +97,11 @@ def _class_path(value: Any) -> str | None:
         return value["class_path"]
     except (KeyError, TypeError):
         return None
+
+
+def _import(class_path: str) -> Any:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name, None)
 
 
 def export_parser() -> argparse.ArgumentParser:
@@ -108,6 +138,7 @@ def main(args: list[str] | None = None) -> None:
     # e.g. logra fit --trainer.strategy.help=LoGRAFSDPStrategy --trainer.strategy.logra.help
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     quiet_lightning_pytree_notice()  # dense and LoRA runs too, whose strategy is Lightning's
+    quiet_lightning_console()
     LoGRACLI(
         subclass_mode_model=True,
         subclass_mode_data=True,

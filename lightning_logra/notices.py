@@ -3,6 +3,7 @@ message from one module) where our code starts the work that raises them, never 
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 
@@ -16,3 +17,24 @@ def quiet_lightning_pytree_notice() -> None:
         category=FutureWarning,
         module=r"lightning\.pytorch\.utilities\._pytree",
     )
+
+
+# Lightning's console lines that the ``logra`` command's users cannot act on: an
+# advertisement for a cloud logger, and the note that a model summary callback is already
+# configured (the command adds LoGRAModelSummary itself).
+LIGHTNING_CONSOLE_NOISE = (
+    "💡 Tip: For seamless cloud logging",
+    "Trainer already configured with model summary callbacks",
+)
+
+
+class _DropMessages(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(LIGHTNING_CONSOLE_NOISE)
+
+
+def quiet_lightning_console() -> None:
+    """Drop ``LIGHTNING_CONSOLE_NOISE`` from Lightning's rank-zero logger (once per process)."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropMessages) for f in logger.filters):
+        logger.addFilter(_DropMessages())

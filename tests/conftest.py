@@ -3,7 +3,10 @@ import importlib.util
 import pytest
 import torch
 
-from tests.tiny_models import byte_tokenizer, tiny_qwen2
+# The shared builders hold asserts too: pytest shows their values as it does in test files.
+pytest.register_assert_rewrite("tests.helpers")
+
+from tests.helpers.models import byte_tokenizer, save_tied_qwen2, tiny_qwen2
 
 
 def pytest_collection_modifyitems(config, items):
@@ -40,3 +43,10 @@ def model_folder(tmp_path_factory) -> str:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tied_folder(tmp_path_factory) -> str:
+    """A tiny random Qwen2 whose head is its embedding (as SmolLM2's), with a byte tokenizer,
+    saved as a Hugging Face folder."""
+    return save_tied_qwen2(tmp_path_factory.mktemp("tied-qwen2"))

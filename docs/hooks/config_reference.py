@@ -76,6 +76,16 @@ work in YAML (`logra fit -c config.yaml`), on the command line
 (`--trainer.strategy.init_args.logra.rank=64`) and in Python.
 Invalid values fail at construction, naming the field and what it accepts.
 
+The command line shows the same documentation: each field's docstring is its help text,
+e.g. for `LoGRAConfig`:
+
+```bash
+logra fit --trainer.strategy.help=lightning_logra.LoGRAFSDPStrategy --trainer.strategy.logra.help
+```
+
+Renamed fields keep their old names as deprecated aliases, listed under their class's
+table: they still work as YAML keys and keyword arguments, and warn once.
+
 """
 
 

@@ -21,7 +21,8 @@ class LoGRACallback(Callback):
     sketch norm, skipped steps, seconds in prepare / probe / apply) and ``memory/*`` every
     step. ``measure_kl=True`` asks the strategy to also measure the true KL of each applied
     update on the probe responses (one forward before and one after), logged as
-    ``logra/measured_kl``."""
+    ``logra/measured_kl``. ``log_memory=False`` leaves out ``memory/*`` (LoGRA's state
+    beside dense AdamW's, and the process's peak memory)."""
 
     def __init__(self, measure_kl: bool = False, log_memory: bool = True) -> None:
         self.measure_kl = measure_kl

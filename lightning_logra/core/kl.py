@@ -24,7 +24,7 @@ def kl_per_position(logits: torch.Tensor, tangent: torch.Tensor, *, temperature:
 
     u is centred on its p-mean before it is squared, so nothing cancels: the float32 form
     is within a few 1e-6 relative of the float64 one at vocabularies of 32k-152k
-    (``tests/test_kl.py``), at a third of its time. Per-position values are summed in
+    (``tests/core/test_kl.py``), at a third of its time. Per-position values are summed in
     float64 by the caller.
     """
     # In place on copies: this runs on (positions x vocabulary) blocks, where each extra

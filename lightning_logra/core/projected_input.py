@@ -134,7 +134,7 @@ def under_activation_checkpointing() -> bool:
     innermost saved-tensor hooks (``torch._C._autograd._top_saved_tensors_default_hooks``,
     private) and checks that ``torch.utils.checkpoint`` defined them. If that API ever goes
     away this returns False: P is then computed in the forward as without checkpointing,
-    correct and as fast as before (tests/test_checkpointed_sketch.py pins it).
+    correct and as fast as before (tests/core/test_checkpointed_sketch.py pins it).
     Reentrant checkpointing needs nothing: its forward runs without grad, so the hook only
     works in the recompute."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)

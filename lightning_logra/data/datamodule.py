@@ -45,6 +45,15 @@ class PromptDataModule(LightningDataModule):
     Training order is a seeded shuffle per epoch, split across ranks (a
     ``DistributedSampler``). The train loader's position is saved in Trainer checkpoints,
     so a fit resumed mid-epoch continues that epoch's order where the checkpoint left it.
+
+    Args:
+        tokenizer: the tokenizer (or its hub id, folder or built-in name, loaded at setup)
+            whose chat template renders prompts and counts ``max_prompt_tokens``; None joins
+            the message contents.
+        num_workers: DataLoader worker processes.
+        skip_invalid_rows: drop rows that fail validation (counted in ``skipped``) instead of
+            raising on the first one.
+        seed: the training order's shuffle seed (and the built-in sources' draw).
     """
 
     def __init__(

@@ -70,6 +70,25 @@ class GRPOModule(L.LightningModule):
     Integer and number arguments are checked like the config dataclasses' fields
     (``GRPOModule.<argument> = <value> is invalid: must be ...``). ``logprob_chunk_size`` is
     the deprecated name of ``logprob_chunk_positions`` (it warns once).
+
+    Args:
+        loss: the loss and its options (``LossConfig``; default GRPO).
+        rollout: sampling and the rollout engine (``RolloutConfig``).
+        optimizer: AdamW and its schedule for dense and LoRA runs (``OptimizerConfig``); a
+            LoGRA step ignores it unless ``logra.follow_lr_schedule`` is set.
+        rewards: reward functions as import paths ``"module:function"``, each TRL's
+            ``fn(completions, **columns) -> list[float | None]``; default: the built-in math reward.
+        reward_weights: one weight per reward function (default 1 each).
+        reward_timeout_s: seconds each reward function may take on a batch; past it the
+            function's scores for the batch are failures (0, counted).
+        lora: train LoRA adapters of this shape (peft) instead of the full weights (dense or
+            LoRA baseline); None trains the full weights.
+        activation_checkpointing: recompute each decoder layer's activations in backward
+            instead of keeping them.
+        cache_dir: where the built-in model is converted once (else ``$LIGHTNING_LOGRA_CACHE``,
+            else ``~/.cache/lightning_logra``).
+        seed: base of the sampling seeds, derived per step and rank, so that a resumed run
+            samples what the uninterrupted one did.
     """
 
     def __init__(

@@ -31,6 +31,17 @@ class LoGRAFabricStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
     On one device the module is not wrapped in FSDP2 (it would shard nothing and copy every
     block's weights at each call); it is moved to the device as it is. ``fabric.save``
     writes a checkpoint folder that loads on any number of devices.
+
+    Args:
+        logra: LoGRA's settings (``LoGRAConfig``; the paper's defaults).
+        train_non_targets: leave the parameters that are not LoGRA targets to your optimizer
+            instead of freezing them.
+        layer_classes: names of the block classes FSDP2 shards one by one (default: the
+            model's ``_no_split_modules``, else every ``nn.ModuleList`` entry).
+        process_group_backend: torch.distributed backend (default: nccl on GPU, gloo on CPU).
+        timeout: how long a collective may wait for the other ranks.
+        measure_kl: also measure the true KL of each applied update on the probe responses
+            (``StepReport.measured_kl``; one forward before and one after the update).
     """
 
     def __init__(

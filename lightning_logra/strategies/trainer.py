@@ -25,8 +25,8 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
     block's weights at each module call. Checkpoints are the same folders either way, so a
     run resumes on another number of devices.
 
-    Optimizer contract: keep your ``configure_optimizers``. The target weights (``logra.
-    target_modules``) are updated by LoGRA once per optimizer step, after all micro-batches,
+    Optimizer contract: keep your ``configure_optimizers``. The target weights
+    (``logra.target_modules``) are updated by LoGRA once per optimizer step, after all micro-batches,
     scaled to the KL budget; every other parameter is frozen (the paper's setting) unless
     ``train_non_targets=True``, in which case your optimizer steps them. LoGRA's step size is
     ``logra.update_ratio``, constant unless ``logra.follow_lr_schedule`` is set.
@@ -35,6 +35,15 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
     (the module to train), ``logra_frozen_models()`` (e.g. a KL reference) and
     ``logra_step_inputs()`` (the probe batch, log-prob pairs and token count of a step;
     default: the training batch as the probe, a mean loss). They are checked at setup.
+
+    Args:
+        logra: LoGRA's settings (``LoGRAConfig``; the paper's defaults).
+        train_non_targets: leave the parameters that are not LoGRA targets to your optimizer
+            instead of freezing them.
+        layer_classes: names of the block classes FSDP2 shards one by one (default: the
+            model's ``_no_split_modules``, else every ``nn.ModuleList`` entry).
+        process_group_backend: torch.distributed backend (default: nccl on GPU, gloo on CPU).
+        timeout: how long a collective may wait for the other ranks.
     """
 
     def __init__(

@@ -14,6 +14,7 @@ from lightning_logra.core import projected_input as projected_input_module
 from lightning_logra.core import sketch as sketch_module
 from lightning_logra.models.loading import enable_activation_checkpointing
 from lightning_logra.core.projected_input import under_activation_checkpointing
+from tests.helpers.core import count_projections_by_phase
 
 VOCAB = 48
 TARGETS_PER_LAYER = 7
@@ -51,20 +52,6 @@ def run(model: torch.nn.Module, config: LoGRAConfig, autocast: bool = False) -> 
         loss.backward()
     assert all(state.backward_calls == 2 for state in sketches)
     return sketches.buffer.clone()
-
-
-def count_projections(monkeypatch) -> list[str]:
-    """Record every P = X A^T the sketch hooks compute, tagged with the phase it ran in."""
-    calls: list[str] = []
-    original = projected_input_module.project
-
-    def counting(inputs, projection):
-        calls.append("backward" if torch._C._current_graph_task_id() != -1 else "forward")
-        return original(inputs, projection)
-
-    for module in (sketch_module, projected_input_module):  # both call it
-        monkeypatch.setattr(module, "project", counting)
-    return calls
 
 
 def test_detects_non_reentrant_checkpointing_in_its_forward_and_recompute_only():
@@ -107,7 +94,7 @@ def test_detects_torch_distributed_checkpoint_wrappers():
 def test_checkpointed_sketch_is_bit_identical_to_the_plain_run(kind, monkeypatch):
     plain, checkpointed = pair(kind)
     config = LoGRAConfig(rank=16)
-    calls = count_projections(monkeypatch)
+    calls = count_projections_by_phase(monkeypatch)
     expected = run(plain, config)
     assert calls == ["forward"] * TARGETS_PER_LAYER * LAYERS * 2
     calls.clear()
@@ -131,7 +118,7 @@ def test_checkpointed_sketch_is_bit_identical_with_shared_projections(monkeypatc
     plain, checkpointed = pair("qwen2")
     config = LoGRAConfig(rank=16, share_projection_by_input=True)
     expected = run(plain, config)
-    calls = count_projections(monkeypatch)
+    calls = count_projections_by_phase(monkeypatch)
     assert torch.equal(run(checkpointed, config), expected)
     groups_per_layer = 4  # q/k/v, o, gate/up, down
     assert calls == ["backward"] * groups_per_layer * LAYERS * 2
@@ -140,7 +127,7 @@ def test_checkpointed_sketch_is_bit_identical_with_shared_projections(monkeypatc
 def test_eval_mode_is_not_checkpointed_and_keeps_the_forward_path(monkeypatch):
     _, checkpointed = pair("qwen2")
     checkpointed.eval()  # HF checkpoints only in training mode
-    calls = count_projections(monkeypatch)
+    calls = count_projections_by_phase(monkeypatch)
     run(checkpointed, LoGRAConfig(rank=16))
     assert calls == ["forward"] * TARGETS_PER_LAYER * LAYERS * 2
 

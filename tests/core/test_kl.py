@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import nn
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lightning_logra import LoGRAConfig, LoGRAOptimizer, ProbeBatch, kl_step_scale, predicted_kl, probe_predicted_kl, scheduled_budget
+from lightning_logra import LoGRAConfig, ProbeBatch, kl_step_scale, predicted_kl, probe_predicted_kl, scheduled_budget
 from lightning_logra.core.kl import effective_budget, measured_kl, observed_mismatch, update_mismatch
+from tests.helpers.core import prepared_probe_model, probe_sequences
 
 
 def test_predicted_kl_matches_the_exact_kl_of_a_small_logit_step():
@@ -46,7 +46,7 @@ def test_float32_fisher_form_is_within_float32_round_off_of_float64():
     torch.testing.assert_close(float32.double(), float64, rtol=2e-5, atol=0)
 
 
-def test_step_scale():
+def test_step_scale_is_the_root_of_budget_over_predicted_kl_capped_at_alpha_max():
     assert kl_step_scale(4e-4, budget=1e-4, alpha_max=3.0) == pytest.approx(0.5)
     assert kl_step_scale(1e-12, budget=1e-4, alpha_max=3.0) == 3.0
     assert kl_step_scale(0.0, budget=1e-4) == 1.0
@@ -75,40 +75,6 @@ def test_mismatch_ema_and_budget_floor():
     assert effective_budget(2e-4, 5e-4, floor=0.5) == pytest.approx(1e-4)
 
 
-def tiny_qwen2(attention: str = "eager") -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )
-    config._attn_implementation = attention
-    return Qwen2ForCausalLM(config)
-
-
-def sequences() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(7)
-    input_ids = torch.randint(0, 97, (3, 12), generator=generator)
-    attention_mask = torch.ones_like(input_ids)
-    attention_mask[2, :3] = 0  # a left-padded row
-    completion = torch.zeros_like(input_ids)
-    completion[:, 5:] = 1  # the last 7 tokens were "generated"
-    logits_mask = completion[:, 1:].bool()
-    logits_mask = torch.cat([logits_mask, torch.zeros(3, 1, dtype=torch.bool)], dim=1)
-    return input_ids, attention_mask, logits_mask
-
-
-def prepared_model(attention: str = "eager"):
-    model = tiny_qwen2(attention)
-    optimizer = LoGRAOptimizer(model, LoGRAConfig(rank=16, update_ratio=2e-3, update_factor_dtype="float32"))
-    input_ids, attention_mask, _ = sequences()
-    model.train()
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 97), input_ids[:, 1:].reshape(-1))
-    loss.backward()
-    optimizer.prepare_update(normalization_tokens=1)
-    return model, optimizer
-
-
 @torch.no_grad()
 def logits_of(model, input_ids, attention_mask):
     model.eval()
@@ -116,8 +82,8 @@ def logits_of(model, input_ids, attention_mask):
 
 
 def test_jvp_probe_predicts_the_measured_kl_of_the_applied_update():
-    model, optimizer = prepared_model()
-    input_ids, attention_mask, logits_mask = sequences()
+    model, optimizer = prepared_probe_model()
+    input_ids, attention_mask, logits_mask = probe_sequences()
     prediction = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask), position_chunk=5)
     alpha = kl_step_scale(prediction, budget=1e-4, alpha_max=3.0)
     before = logits_of(model, input_ids, attention_mask)
@@ -131,8 +97,8 @@ def test_jvp_probe_predicts_the_measured_kl_of_the_applied_update():
 def test_probe_under_bf16_autocast_matches_the_float32_probe():
     # bf16-mixed training (GRPOModule steps inside its training step, under autocast):
     # float32 residual inputs, bfloat16 layer outputs and tangents.
-    model, optimizer = prepared_model()
-    input_ids, attention_mask, logits_mask = sequences()
+    model, optimizer = prepared_probe_model()
+    input_ids, attention_mask, logits_mask = probe_sequences()
     reference = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mixed = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask))
@@ -145,8 +111,8 @@ def test_probe_under_bf16_autocast_matches_the_float32_probe():
 def test_mlps_in_token_chunks_give_the_whole_row_prediction_and_are_restored():
     from lightning_logra.core.probe_modules import position_wise_mlps
 
-    model, optimizer = prepared_model()
-    input_ids, attention_mask, logits_mask = sequences()
+    model, optimizer = prepared_probe_model()
+    input_ids, attention_mask, logits_mask = probe_sequences()
     batch = ProbeBatch(input_ids, attention_mask, logits_mask)
     whole = probe_predicted_kl(model, optimizer.probe_layers(), batch, mlp_chunk=input_ids.shape[1])
     calls = []
@@ -162,8 +128,8 @@ def test_mlps_in_token_chunks_give_the_whole_row_prediction_and_are_restored():
 
 
 def test_chunked_head_path_equals_full_logits_path():
-    model, optimizer = prepared_model()
-    input_ids, attention_mask, logits_mask = sequences()
+    model, optimizer = prepared_probe_model()
+    input_ids, attention_mask, logits_mask = probe_sequences()
     chunked = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask), position_chunk=4)
 
     class WithoutHeadAccess(nn.Module):  # forces the full-logits path
@@ -180,8 +146,8 @@ def test_chunked_head_path_equals_full_logits_path():
 
 
 def test_probe_works_with_sdpa_and_restores_modes_and_attention():
-    model, optimizer = prepared_model("eager")
-    input_ids, attention_mask, logits_mask = sequences()
+    model, optimizer = prepared_probe_model("eager")
+    input_ids, attention_mask, logits_mask = probe_sequences()
     eager = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask))
     model.set_attn_implementation("sdpa")
     model.train()
@@ -193,9 +159,9 @@ def test_probe_works_with_sdpa_and_restores_modes_and_attention():
 
 
 def test_probe_restores_training_mode_on_error():
-    model, optimizer = prepared_model()
+    model, optimizer = prepared_probe_model()
     model.train()
-    input_ids, attention_mask, logits_mask = sequences()
+    input_ids, attention_mask, logits_mask = probe_sequences()
     with pytest.raises(IndexError):
         probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids + 1000, attention_mask, logits_mask))
     assert all(module.training for module in model.modules())
@@ -203,8 +169,8 @@ def test_probe_restores_training_mode_on_error():
 
 
 def test_probe_does_not_modify_weights_or_sketch_anything():
-    model, optimizer = prepared_model()
-    input_ids, attention_mask, logits_mask = sequences()
+    model, optimizer = prepared_probe_model()
+    input_ids, attention_mask, logits_mask = probe_sequences()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -259,8 +225,8 @@ def test_blocked_probe_attention_gives_zero_for_a_query_that_sees_nothing():
 
 
 def test_probe_one_sequence_at_a_time_matches_the_mean_over_the_batch():
-    model, optimizer = prepared_model("sdpa")
-    input_ids, attention_mask, logits_mask = sequences()
+    model, optimizer = prepared_probe_model("sdpa")
+    input_ids, attention_mask, logits_mask = probe_sequences()
     whole = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask))
     per_row = [
         probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids[i : i + 1], attention_mask[i : i + 1], logits_mask[i : i + 1]))
@@ -271,8 +237,8 @@ def test_probe_one_sequence_at_a_time_matches_the_mean_over_the_batch():
 
 
 def test_probe_packs_short_rows_into_one_forward_with_the_per_row_result():
-    model, optimizer = prepared_model("sdpa")
-    input_ids, attention_mask, logits_mask = sequences()  # rows of 12, 12 and 9 real tokens
+    model, optimizer = prepared_probe_model("sdpa")
+    input_ids, attention_mask, logits_mask = probe_sequences()  # rows of 12, 12 and 9 real tokens
     forwards = []
     model.register_forward_hook(lambda *_: forwards.append(1))
     packed = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask), max_tokens=36)
@@ -287,39 +253,13 @@ def test_probe_packs_short_rows_into_one_forward_with_the_per_row_result():
     assert ProbeBatch(input_ids, attention_mask, logits_mask).packed_groups(24) == [[0, 1], [2]]
 
 
-def _probe_on_uneven_ranks(rank: int, world: int) -> tuple[float, int]:
-    model, optimizer = prepared_model("sdpa")
-    input_ids, attention_mask, logits_mask = sequences()
-    rows = slice(0, 2) if rank == 0 else slice(2, 3)  # rank 0 has two sequences, rank 1 one
-    forwards = []
-    model.register_forward_hook(lambda *_: forwards.append(1))
-    prediction = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids[rows], attention_mask[rows], logits_mask[rows]),
-                                    process_group=torch.distributed.group.WORLD)
-    return prediction, len(forwards)
-
-
-@pytest.mark.distributed
-def test_distributed_probe_runs_equal_forwards_and_returns_the_global_mean():
-    from tests.distributed import run_on_two_ranks
-
-    model, optimizer = prepared_model("sdpa")
-    input_ids, attention_mask, logits_mask = sequences()
-    single = probe_predicted_kl(model, optimizer.probe_layers(), ProbeBatch(input_ids, attention_mask, logits_mask))
-    (rank0, forwards0), (rank1, forwards1) = run_on_two_ranks(_probe_on_uneven_ranks)
-    # Sharded models gather weights in every forward, so the rank with one sequence must
-    # run a second (scoring nothing) to match the other.
-    assert forwards0 == forwards1 == 2
-    assert rank0 == rank1
-    assert rank0 == pytest.approx(single, rel=1e-9)
-
-
 def test_probe_max_tokens_counts_real_tokens_not_left_padding():
-    input_ids, attention_mask, logits_mask = sequences()  # row 2 has 3 left-padding tokens
+    input_ids, attention_mask, logits_mask = probe_sequences()  # row 2 has 3 left-padding tokens
     batch = ProbeBatch(input_ids, attention_mask, logits_mask)
     inputs, scored = batch.row_inputs(2, max_tokens=6)
     assert torch.equal(inputs["input_ids"], input_ids[2:3, 3:9]) and bool(inputs["attention_mask"].all())
     assert torch.equal(scored, logits_mask[2:3, 3:9])
-    model, optimizer = prepared_model("sdpa")
+    model, optimizer = prepared_probe_model("sdpa")
     padded = probe_predicted_kl(model, optimizer.probe_layers(), batch.first_rows(3), max_tokens=6)
     unpadded = [ProbeBatch(input_ids[i : i + 1, s : s + 6], attention_mask[i : i + 1, s : s + 6], logits_mask[i : i + 1, s : s + 6])
                 for i, s in ((0, 0), (1, 0), (2, 3))]

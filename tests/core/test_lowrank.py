@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from lightning_logra import ProbeBatch
-from tests.core.test_step import backward, make, weights
+from tests.helpers.core import backward, qwen2_and_optimizer, weights
 
 
 @pytest.mark.parametrize("redraw_projections", [True, False])
 def test_low_rank_updates_reproduce_the_trainers_weights_exactly(redraw_projections):
-    model, optimizer = make(redraw_projections=redraw_projections)
+    model, optimizer = qwen2_and_optimizer(redraw_projections=redraw_projections)
     copy = weights(optimizer)
     for step in range(3):  # A is redrawn after every update (redraw_projections): each step has its own seeds
         projections = [state.projection.clone() for state in optimizer.sketches]
@@ -27,7 +27,7 @@ def test_low_rank_updates_reproduce_the_trainers_weights_exactly(redraw_projecti
 
 
 def test_a_low_rank_update_costs_rank_over_width_of_a_full_one():
-    model, optimizer = make()
+    model, optimizer = qwen2_and_optimizer()
     batch = backward(model, optimizer, 0)
     report = optimizer.step(probe=ProbeBatch.from_token_batch(batch), record_low_rank=True)
     low_rank = sum(update.nbytes for update in report.low_rank_updates)
@@ -38,7 +38,7 @@ def test_a_low_rank_update_costs_rank_over_width_of_a_full_one():
 
 
 def test_nothing_is_recorded_unless_asked():
-    model, optimizer = make()
+    model, optimizer = qwen2_and_optimizer()
     batch = backward(model, optimizer, 0)
     report = optimizer.step(probe=ProbeBatch.from_token_batch(batch))
     assert report.low_rank_updates is None

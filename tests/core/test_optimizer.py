@@ -8,59 +8,20 @@ from torch import nn
 
 from lightning_logra import LoGRAConfig, LoGRAOptimizer
 from lightning_logra.core.config import DEPRECATED_ALIASES
-
-TARGETS = ["up_proj", "down_proj"]
-
-
-class Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(13, 8)
-        self.up_proj = nn.Linear(8, 300)  # > 256 rows: the update runs in two row chunks
-        self.down_proj = nn.Linear(300, 8)
-        self.head = nn.Linear(8, 13)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        return self.head(h + self.down_proj(torch.relu(self.up_proj(h))))
-
-
-def make(init_seed: int = 0, **overrides) -> tuple[Mlp, LoGRAOptimizer]:
-    torch.manual_seed(init_seed)
-    model = Mlp()
-    config = LoGRAConfig(**{"rank": 16, "target_modules": TARGETS, **overrides})
-    return model, LoGRAOptimizer(model, config)
-
-
-def batches(step: int, count: int = 2) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 + step)
-    return [torch.randint(0, 13, (3, 6), generator=generator) for _ in range(count)]
-
-
-def train_step(model: Mlp, optimizer: LoGRAOptimizer, step: int, alpha: float = 1.0) -> None:
-    optimizer.zero_grad()
-    for tokens in batches(step):
-        logits = model(tokens[:, :-1])
-        nn.functional.cross_entropy(logits.reshape(-1, 13), tokens[:, 1:].reshape(-1), reduction="sum").backward()
-    optimizer.prepare_update(normalization_tokens=2 * 3 * 5)
-    optimizer.apply_update(alpha=alpha)
-
-
-def weights(optimizer: LoGRAOptimizer) -> list[torch.Tensor]:
-    return [state.weight.detach().clone() for state in optimizer.sketches]
+from tests.helpers.core import MLP_TARGETS, token_batches, token_mlp_and_optimizer, token_mlp_train_step, weights
 
 
 def test_construction_freezes_everything_and_tracks_the_targets():
-    model, optimizer = make()
+    model, optimizer = token_mlp_and_optimizer()
     assert not any(p.requires_grad for p in model.parameters())
-    assert [state.name for state in optimizer.sketches] == TARGETS
+    assert [state.name for state in optimizer.sketches] == MLP_TARGETS
     assert optimizer.param_groups[0]["params"] == [model.up_proj.weight, model.down_proj.weight]
     assert optimizer.param_groups[0]["lr"] == 6e-5
 
 
 def test_proposed_update_has_norm_update_ratio_times_weight_norm():
-    model, optimizer = make(update_ratio=1e-3)
-    for tokens in batches(0):
+    model, optimizer = token_mlp_and_optimizer(update_ratio=1e-3)
+    for tokens in token_batches(0):
         model(tokens).sum().backward()
     prepared = optimizer.prepare_update(normalization_tokens=36)
     weight_norm = math.sqrt(sum(w.double().pow(2).sum().item() for w in weights(optimizer)))
@@ -75,8 +36,8 @@ def test_proposed_update_has_norm_update_ratio_times_weight_norm():
 
 @pytest.mark.parametrize("factor_dtype", ["float32", "bfloat16"])
 def test_applied_update_is_w_minus_alpha_d_a(factor_dtype):
-    model, optimizer = make(update_factor_dtype=factor_dtype)
-    for tokens in batches(0):
+    model, optimizer = token_mlp_and_optimizer(update_factor_dtype=factor_dtype)
+    for tokens in token_batches(0):
         model(tokens).sum().backward()
     prepared = optimizer.prepare_update(normalization_tokens=36)
     directions = [d.clone() for d in prepared.directions]  # they live in the sketch buffer
@@ -95,17 +56,17 @@ def test_applied_update_is_w_minus_alpha_d_a(factor_dtype):
 
 
 def test_projection_is_fixed_without_redrawing():
-    model, optimizer = make(redraw_projections=False)
+    model, optimizer = token_mlp_and_optimizer(redraw_projections=False)
     before = [state.projection.clone() for state in optimizer.sketches]
-    train_step(model, optimizer, 0)
+    token_mlp_train_step(model, optimizer, 0)
     assert all(torch.equal(s.projection, b) for s, b in zip(optimizer.sketches, before))
 
 
 def test_learning_rate_scheduler_scales_the_update():
-    model, optimizer = make()
+    model, optimizer = token_mlp_and_optimizer()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
     assert optimizer.param_groups[0]["lr"] == 3e-5
-    for tokens in batches(0):
+    for tokens in token_batches(0):
         model(tokens).sum().backward()
     prepared = optimizer.prepare_update(normalization_tokens=1)
     assert math.isclose(prepared.update_norm, 3e-5 * prepared.weight_norm, rel_tol=1e-6)
@@ -113,21 +74,21 @@ def test_learning_rate_scheduler_scales_the_update():
 
 
 def test_apply_without_prepared_update_is_an_error():
-    _, optimizer = make()
+    _, optimizer = token_mlp_and_optimizer()
     with pytest.raises(RuntimeError, match="prepare_update"):
         optimizer.apply_update()
 
 
 def test_prepare_without_backward_is_an_error():
-    _, optimizer = make()
+    _, optimizer = token_mlp_and_optimizer()
     with pytest.raises(RuntimeError, match="no backward pass"):
         optimizer.prepare_update(normalization_tokens=1)
 
 
 @pytest.mark.parametrize("alpha", [float("nan"), float("inf"), -1.0])
 def test_bad_alpha_is_an_error_and_changes_nothing(alpha):
-    model, optimizer = make()
-    model(batches(0)[0]).sum().backward()
+    model, optimizer = token_mlp_and_optimizer()
+    model(token_batches(0)[0]).sum().backward()
     optimizer.prepare_update(normalization_tokens=1)
     before = weights(optimizer)
     with pytest.raises(FloatingPointError, match="alpha"):
@@ -137,15 +98,15 @@ def test_bad_alpha_is_an_error_and_changes_nothing(alpha):
 
 
 def test_bad_token_count_is_an_error():
-    model, optimizer = make()
-    model(batches(0)[0]).sum().backward()
+    model, optimizer = token_mlp_and_optimizer()
+    model(token_batches(0)[0]).sum().backward()
     with pytest.raises(ValueError, match="normalization_tokens"):
         optimizer.prepare_update(normalization_tokens=0)
 
 
 def test_non_finite_sketch_raises_and_skip_update_keeps_state():
-    model, optimizer = make()
-    model(batches(0)[0]).sum().backward()
+    model, optimizer = token_mlp_and_optimizer()
+    model(token_batches(0)[0]).sum().backward()
     optimizer.sketches.states[1].sketch[0, 0] = float("nan")
     before = weights(optimizer)
     moments = [s.second_moment.clone() for s in optimizer.sketches]
@@ -155,13 +116,13 @@ def test_non_finite_sketch_raises_and_skip_update_keeps_state():
     assert all(torch.equal(a, b) for a, b in zip(before, weights(optimizer)))
     assert all(torch.equal(s.second_moment, m) for s, m in zip(optimizer.sketches, moments))
     assert optimizer.update_count == 0 and optimizer.sketches.buffer.abs().sum() == 0
-    train_step(model, optimizer, 1)  # and training goes on
+    token_mlp_train_step(model, optimizer, 1)  # and training goes on
     assert optimizer.update_count == 1
 
 
 def test_skip_update_after_prepare_leaves_weights_moments_and_counter():
-    model, optimizer = make()
-    model(batches(0)[0]).sum().backward()
+    model, optimizer = token_mlp_and_optimizer()
+    model(token_batches(0)[0]).sum().backward()
     optimizer.prepare_update(normalization_tokens=1)
     moments = [s.second_moment.clone() for s in optimizer.sketches]
     optimizer.skip_update()
@@ -187,21 +148,21 @@ def test_target_used_functionally_is_named_at_the_first_step():
 
 
 def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
-    model, optimizer = make()
+    model, optimizer = token_mlp_and_optimizer()
     for step in range(4):
-        train_step(model, optimizer, step)
+        token_mlp_train_step(model, optimizer, step)
 
-    first, first_optimizer = make()
+    first, first_optimizer = token_mlp_and_optimizer()
     for step in range(2):
-        train_step(first, first_optimizer, step)
+        token_mlp_train_step(first, first_optimizer, step)
     torch.save({"model": first.state_dict(), "optimizer": first_optimizer.state_dict()}, tmp_path / "ckpt.pt")
 
-    resumed, resumed_optimizer = make(init_seed=123)  # other initial weights: all must come from the checkpoint
+    resumed, resumed_optimizer = token_mlp_and_optimizer(init_seed=123)  # other initial weights: all must come from the checkpoint
     checkpoint = torch.load(tmp_path / "ckpt.pt")
     resumed.load_state_dict(checkpoint["model"])
     resumed_optimizer.load_state_dict(checkpoint["optimizer"])
     for step in range(2, 4):
-        train_step(resumed, resumed_optimizer, step)
+        token_mlp_train_step(resumed, resumed_optimizer, step)
 
     assert resumed_optimizer.update_count == optimizer.update_count == 4
     for a, b in zip(resumed_optimizer.sketches, optimizer.sketches):
@@ -212,9 +173,9 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
 
 @pytest.mark.parametrize(("field", "value"), [("rank", 8), ("seed", 1), ("distribution", "gaussian"), ("target_modules", ["up_proj"])])
 def test_loading_a_state_from_another_config_is_an_error(field, value):
-    _, optimizer = make()
+    _, optimizer = token_mlp_and_optimizer()
     state = optimizer.state_dict()
-    _, other = make(**{field: value})
+    _, other = token_mlp_and_optimizer(**{field: value})
     with pytest.raises(ValueError, match=field):
         other.load_state_dict(state)
 
@@ -229,10 +190,10 @@ def with_old_field_names(state: dict) -> dict:
 
 
 def test_a_checkpoint_written_under_the_old_field_names_resumes_silently():
-    model, optimizer = make(update_chunk_rows=100)
-    train_step(model, optimizer, 0)
+    model, optimizer = token_mlp_and_optimizer(update_chunk_rows=100)
+    token_mlp_train_step(model, optimizer, 0)
     state = with_old_field_names(optimizer.state_dict())
-    _, resumed = make(update_chunk_rows=100)
+    _, resumed = token_mlp_and_optimizer(update_chunk_rows=100)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # neither a deprecation nor a "changed settings" warning
         resumed.load_state_dict(state)
@@ -240,20 +201,20 @@ def test_a_checkpoint_written_under_the_old_field_names_resumes_silently():
 
 
 def test_a_checkpoint_under_the_old_field_names_is_still_compared_field_by_field():
-    _, optimizer = make(redraw_projections=False, update_chunk_rows=100)
+    _, optimizer = token_mlp_and_optimizer(redraw_projections=False, update_chunk_rows=100)
     state = with_old_field_names(optimizer.state_dict())
-    _, other = make()
+    _, other = token_mlp_and_optimizer()
     with pytest.raises(ValueError, match="redraw_projections: False != True"):
         other.load_state_dict(state)
-    _, retuned = make(redraw_projections=False)
+    _, retuned = token_mlp_and_optimizer(redraw_projections=False)
     assert retuned.check_state(state) == ["update_chunk_rows: 100 -> 256"]
 
 
 def test_state_dict_holds_moments_counter_and_mismatch():
-    model, optimizer = make()
-    train_step(model, optimizer, 0)
+    model, optimizer = token_mlp_and_optimizer()
+    token_mlp_train_step(model, optimizer, 0)
     optimizer.controller.mismatch = 0.25
     state = optimizer.state_dict()
     assert state["update_count"].item() == 1 and state["mismatch"].item() == 0.25
-    assert set(state["second_moments"]) == set(TARGETS)
+    assert set(state["second_moments"]) == set(MLP_TARGETS)
     assert state["second_moments"]["up_proj"].shape == (300, 1)

@@ -13,7 +13,7 @@ from lightning_logra.core.projection import (
     projection_storage_dtype,
     resolve_rank,
 )
-from tests.tiny_models import tiny_qwen2
+from tests.helpers.models import tiny_qwen2
 
 
 @pytest.mark.parametrize(

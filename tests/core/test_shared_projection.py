@@ -14,32 +14,13 @@ from lightning_logra import (
     projection_seed,
 )
 from lightning_logra.core import optimizer as optimizer_module
-from lightning_logra.core import projected_input as projected_input_module
-from lightning_logra.core import sketch as sketch_module
 from lightning_logra.core.projected_input import projection_groups
 from lightning_logra.core.sketch import find_targets
-from tests.tiny_models import tiny_qwen2
+from tests.helpers.core import count_projections_by_matrix, qwen2_train_step, tokens_2x7
+from tests.helpers.models import tiny_qwen2
 
 RANK = 16
-VOCAB = 64
 SHARED = LoGRAConfig(rank=RANK, share_projection_by_input=True)
-
-
-def tokens(seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(seed))
-
-
-def count_projections(monkeypatch) -> list[int]:
-    calls: list[int] = []
-    original = projected_input_module.project
-
-    def counting(inputs, projection):
-        calls.append(id(projection))
-        return original(inputs, projection)
-
-    for module in (sketch_module, projected_input_module):  # both call it
-        monkeypatch.setattr(module, "project", counting)
-    return calls
 
 
 def test_groups_are_qkv_and_gate_up_of_each_block():
@@ -86,8 +67,8 @@ def test_a_shared_projection_is_stored_once():
 def test_projection_is_computed_once_per_group_per_forward(monkeypatch):
     model = tiny_qwen2().train()
     sketches = install_sketches(model, SHARED)
-    calls = count_projections(monkeypatch)
-    model(tokens()).logits.sum().backward()
+    calls = count_projections_by_matrix(monkeypatch)
+    model(tokens_2x7()).logits.sum().backward()
     assert len(calls) == 8 and len(set(calls)) == 8  # each distinct A projected exactly once
     assert all(state.backward_calls == 1 for state in sketches)
     assert all(state.shared_input is None or state.shared_input.inputs is None for state in sketches)  # released
@@ -102,7 +83,7 @@ def test_each_sketch_equals_dy_transpose_x_a_transpose_with_the_shared_projectio
             inputs[name] = args[0].detach()
             output.register_hook(lambda grad: grads.__setitem__(name, grad.detach()))
         state.handles.append(state.module.register_forward_hook(remember))  # runs after the sketch hook
-    model(tokens()).logits.square().sum().backward()
+    model(tokens_2x7()).logits.square().sum().backward()
     for state in sketches:
         x = inputs[state.name].reshape(-1, state.module.in_features)
         dy = grads[state.name].reshape(-1, state.module.out_features)
@@ -131,7 +112,7 @@ def test_members_reading_different_inputs_project_each_input(monkeypatch):
     logra.load_state_dict(dense.state_dict())
     sketches = install_sketches(logra, LoGRAConfig(rank=4, share_projection_by_input=True))
     assert len(sketches.projections()) == 1
-    calls = count_projections(monkeypatch)
+    calls = count_projections_by_matrix(monkeypatch)
     x, memory = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
     dense(x, memory).square().sum().backward()
     logra(x, memory).square().sum().backward()
@@ -165,20 +146,12 @@ def test_an_input_changed_in_place_between_members_is_projected_again(monkeypatc
             inputs[name] = args[0].detach().clone()
             output.register_hook(lambda grad: grads.__setitem__(name, grad.detach()))
         state.handles.append(state.module.register_forward_hook(remember))
-    calls = count_projections(monkeypatch)
+    calls = count_projections_by_matrix(monkeypatch)
     model(torch.randn(5, 8)).square().sum().backward()
     assert len(calls) == 2
     for state in sketches:
         expected = torch.zeros_like(state.sketch).addmm_(grads[state.name].T, inputs[state.name] @ state.projection.T)
         assert torch.equal(state.sketch, expected), state.name
-
-
-def train_step(model: nn.Module, optimizer: LoGRAOptimizer, step: int) -> None:
-    optimizer.zero_grad()
-    batch = tokens(step)
-    model(input_ids=batch, labels=batch).loss.backward()
-    optimizer.prepare_update(normalization_tokens=1)
-    optimizer.apply_update(alpha=1.0)
 
 
 def test_redraw_after_an_update_draws_each_shared_projection_once_and_keeps_it_shared(monkeypatch):
@@ -190,7 +163,7 @@ def test_redraw_after_an_update_draws_each_shared_projection_once_and_keeps_it_s
     draws = []
     original = optimizer_module.make_projection
     monkeypatch.setattr(optimizer_module, "make_projection", lambda *a, **k: draws.append(a) or original(*a, **k))
-    train_step(model, optimizer, 0)
+    qwen2_train_step(model, optimizer, 0)
     assert len(draws) == 4  # 2 layers x (q/k/v, o), not 8
     assert states[v].projection is states[q].projection
     assert torch.equal(states[q].projection, make_projection(RANK, 32, projection_seed(42, 1, q)))
@@ -200,7 +173,7 @@ def test_redraw_after_an_update_draws_each_shared_projection_once_and_keeps_it_s
 def test_probe_and_step_run_with_shared_projections():
     model = tiny_qwen2().train()
     optimizer = LoGRAOptimizer(model, SHARED)
-    batch = tokens()
+    batch = tokens_2x7()
     model(input_ids=batch, labels=batch).loss.backward()
     report = optimizer.step(probe=ProbeBatch.from_token_batch(batch))
     assert not report.skipped and report.predicted_kl > 0 and optimizer.update_count == 1
@@ -213,16 +186,16 @@ def test_resume_with_sharing_is_bit_identical(tmp_path):
 
     model, optimizer = make()
     for step in range(3):
-        train_step(model, optimizer, step)
+        qwen2_train_step(model, optimizer, step)
     first, first_optimizer = make()
-    train_step(first, first_optimizer, 0)
+    qwen2_train_step(first, first_optimizer, 0)
     torch.save({"model": first.state_dict(), "optimizer": first_optimizer.state_dict()}, tmp_path / "ckpt.pt")
     resumed, resumed_optimizer = make()
     checkpoint = torch.load(tmp_path / "ckpt.pt")
     resumed.load_state_dict(checkpoint["model"])
     resumed_optimizer.load_state_dict(checkpoint["optimizer"])
     for step in (1, 2):
-        train_step(resumed, resumed_optimizer, step)
+        qwen2_train_step(resumed, resumed_optimizer, step)
     for a, b in zip(resumed_optimizer.sketches, optimizer.sketches):
         assert torch.equal(a.weight, b.weight) and torch.equal(a.projection, b.projection)
     assert resumed_optimizer.sketches.states[1].projection is resumed_optimizer.sketches.states[0].projection

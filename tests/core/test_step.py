@@ -3,42 +3,13 @@
 import dataclasses
 import io
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_logra import LoGRAConfig, LoGRAOptimizer, ProbeBatch, probe_predicted_kl, scheduled_budget
+from lightning_logra import ProbeBatch, probe_predicted_kl, scheduled_budget
 from lightning_logra.core.probe import EmptyProbeError
-from tests.tiny_models import tiny_qwen2
-
-VOCAB = 64
-REPO = Path(__file__).resolve().parents[2]
-
-
-def make(**overrides):
-    model = tiny_qwen2(VOCAB)
-    model.train()
-    config = LoGRAConfig(**{"rank": 8, "update_ratio": 1e-2, "kl_budget": 1e-4, "kl_budget_final": 1e-5,
-                            "schedule_steps": 4, **overrides})
-    return model, LoGRAOptimizer(model, config)
-
-
-def tokens(step: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (4, 10), generator=torch.Generator().manual_seed(step))
-
-
-def backward(model, optimizer, step: int) -> torch.Tensor:
-    optimizer.zero_grad()
-    batch = tokens(step)
-    model(input_ids=batch, labels=batch).loss.backward()
-    return batch
-
-
-def weights(optimizer):
-    return [state.weight.detach().clone() for state in optimizer.sketches]
+from tests.helpers.core import backward, qwen2_and_optimizer, weights
 
 
 def eos_pairs(observed_gap: float, eos: bool):
@@ -48,7 +19,7 @@ def eos_pairs(observed_gap: float, eos: bool):
 
 
 def test_step_runs_the_whole_update_and_reports_it():
-    model, optimizer = make()
+    model, optimizer = qwen2_and_optimizer()
     batch = backward(model, optimizer, 0)
     before = weights(optimizer)
     report = optimizer.step(probe=ProbeBatch.from_token_batch(batch))
@@ -69,7 +40,7 @@ def probe_settings(optimizer) -> dict:
 
 
 def test_step_predicts_on_the_first_probe_responses_only():
-    model, optimizer = make(probe_responses=2)
+    model, optimizer = qwen2_and_optimizer(probe_responses=2)
     batch = backward(model, optimizer, 0)
     optimizer.prepare_update(normalization_tokens=1)
     # The same probe settings as the optimizer's: the same packing, so the same float32 sums.
@@ -79,7 +50,7 @@ def test_step_predicts_on_the_first_probe_responses_only():
 
 
 def test_measured_kl_of_the_applied_step_matches_the_prediction():
-    model, optimizer = make()
+    model, optimizer = qwen2_and_optimizer()
     batch = backward(model, optimizer, 0)
     report = optimizer.step(probe=ProbeBatch.from_token_batch(batch), measure_kl=True)
     assert report.measured_kl > 0
@@ -88,7 +59,7 @@ def test_measured_kl_of_the_applied_step_matches_the_prediction():
 
 
 def test_probe_temperature_is_the_sampling_temperature_unless_set():
-    model, optimizer = make()
+    model, optimizer = qwen2_and_optimizer()
     batch = backward(model, optimizer, 0)
     optimizer.prepare_update(normalization_tokens=1)
     layers = optimizer.probe_layers()
@@ -103,7 +74,7 @@ def test_probe_temperature_is_the_sampling_temperature_unless_set():
 
 
 def test_mismatch_updates_only_on_eos_terminated_responses():
-    model, optimizer = make(kl_budget=1.0, kl_budget_final=1.0)
+    model, optimizer = qwen2_and_optimizer(kl_budget=1.0, kl_budget_final=1.0)
     batch = backward(model, optimizer, 0)
     report = optimizer.step(probe=ProbeBatch.from_token_batch(batch), logprob_pairs=eos_pairs(0.3, eos=True))
     assert report.mismatch == pytest.approx(0.3 * 0.3) and report.budget == pytest.approx(1.0 - 0.09)
@@ -117,7 +88,7 @@ def test_mismatch_updates_only_on_eos_terminated_responses():
 
 
 def test_a_probe_with_no_scored_position_skips_the_step_instead_of_an_unscaled_one():
-    model, optimizer = make()
+    model, optimizer = qwen2_and_optimizer()
     batch = backward(model, optimizer, 0)
     nothing = ProbeBatch(batch, torch.ones_like(batch), torch.zeros_like(batch, dtype=torch.bool))
     before = weights(optimizer)
@@ -125,39 +96,39 @@ def test_a_probe_with_no_scored_position_skips_the_step_instead_of_an_unscaled_o
         report = optimizer.step(probe=nothing)
     assert report.skipped and report.alpha is None and report.skipped_steps == optimizer.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, weights(optimizer))) and optimizer.update_count == 0
-    _, raising = make(on_nonfinite="raise")
+    _, raising = qwen2_and_optimizer(on_nonfinite="raise")
     backward(raising.model, raising, 0)
     with pytest.raises(EmptyProbeError, match="scored no position"):
         raising.step(probe=nothing)
 
 
 def test_kl_control_needs_a_probe_and_can_be_turned_off():
-    model, optimizer = make()
+    model, optimizer = qwen2_and_optimizer()
     backward(model, optimizer, 0)
     with pytest.raises(ValueError, match="kl_control=false"):
         optimizer.step()
-    model, unscaled = make(kl_control=False)
+    model, unscaled = qwen2_and_optimizer(kl_control=False)
     backward(model, unscaled, 0)
     report = unscaled.step()
     assert report.alpha == 1.0 and report.predicted_kl is None and unscaled.update_count == 1
 
 
 def test_step_without_backward_anywhere_does_nothing_when_allowed():
-    _, optimizer = make(kl_control=False)
+    _, optimizer = qwen2_and_optimizer(kl_control=False)
     assert optimizer.step(allow_no_backward=True) is None and optimizer.update_count == 0
     with pytest.raises(RuntimeError, match="no backward pass"):
         optimizer.step()
 
 
 def test_state_is_tensors_only_and_loads_with_weights_only():
-    model, optimizer = make()
+    model, optimizer = qwen2_and_optimizer()
     batch = backward(model, optimizer, 0)
     optimizer.step(probe=ProbeBatch.from_token_batch(batch), logprob_pairs=eos_pairs(0.2, eos=True))
     buffer = io.BytesIO()
     torch.save(optimizer.state_dict(), buffer)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
-    _, resumed = make()
+    _, resumed = qwen2_and_optimizer()
     resumed.load_state_dict(state)
     assert resumed.update_count == 1 and resumed.mismatch == optimizer.mismatch
     for a, b in zip(resumed.sketches, optimizer.sketches):
@@ -165,18 +136,10 @@ def test_state_is_tensors_only_and_loads_with_weights_only():
 
 
 def test_resuming_with_other_tuning_fields_warns_with_old_and_new_values():
-    model, optimizer = make()
+    model, optimizer = qwen2_and_optimizer()
     batch = backward(model, optimizer, 0)
     optimizer.step(probe=ProbeBatch.from_token_batch(batch))
-    _, changed = make(kl_budget=3e-4, update_ratio=5e-3)
+    _, changed = qwen2_and_optimizer(kl_budget=3e-4, update_ratio=5e-3)
     with pytest.warns(UserWarning, match=r"changed settings: update_ratio: 0.01 -> 0.005; kl_budget: 0.0001 -> 0.0003$"):
         changed.load_state_dict(optimizer.state_dict())
     assert changed.update_count == 1 and changed.param_groups[0]["lr"] == 5e-3
-
-
-def test_the_plain_torch_example_runs_with_kl_control():
-    completed = subprocess.run([sys.executable, str(REPO / "examples" / "torch_loop.py")], capture_output=True,
-                               text=True, timeout=300, cwd=REPO)
-    assert completed.returncode == 0, completed.stderr[-2000:]
-    last = completed.stdout.strip().splitlines()[-1]
-    assert last.startswith("step 29") and "budget" in last

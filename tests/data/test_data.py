@@ -18,7 +18,7 @@ from lightning_logra.data import (
     reasoning_gym_rows,
     validate_rows,
 )
-from tests.tiny_models import byte_tokenizer
+from tests.helpers.models import byte_tokenizer
 
 GOOD_ROWS = [
     {"prompt": "What is 2 + 3?", "answer": "5"},
@@ -108,7 +108,7 @@ def test_arithmetic_rows_are_deterministic_and_correct():
     assert {"+", "-"} <= {symbol for row in rows for symbol in row["prompt"].split()[3::2]}
 
 
-def test_reasoning_gym_rows():
+def test_reasoning_gym_rows_are_valid_and_the_same_for_a_seed():
     rows = reasoning_gym_rows("basic_arithmetic", 3, seed=1)
     assert rows == reasoning_gym_rows("basic_arithmetic", 3, seed=1)
     assert len(rows) == 3

@@ -11,7 +11,7 @@ import yaml
 from lightning_logra.cli import LoGRACLI, main
 from lightning_logra.core.config import DEPRECATED_ALIASES as LOGRA_ALIASES
 from lightning_logra.modules.grpo import DEPRECATED_ALIASES as GRPO_ALIASES
-from tests.distributed import child_environment
+from tests.helpers.distributed import child_environment
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = """
@@ -39,7 +39,7 @@ trainer:
     init_args:
       experiment_name: cli-test
 model:
-  class_path: tests.lightning_helpers.TinyCausalLM
+  class_path: tests.helpers.lightning.TinyCausalLM
   init_args:
     batch_size: 4
 """

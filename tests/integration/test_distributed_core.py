@@ -2,28 +2,17 @@
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_logra import LoGRAConfig, LoGRAOptimizer
-from tests.distributed import run_on_two_ranks
+from tests.helpers.core import MLP_TARGETS, OddRowMlp, full
+from tests.helpers.distributed import run_on_two_ranks
 
 pytestmark = pytest.mark.distributed
-TARGETS = ["up_proj", "down_proj"]
-
-
-class Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up_proj = nn.Linear(8, 301)  # odd row count: FSDP2 splits it 151 + 150
-        self.down_proj = nn.Linear(301, 8)
-
-    def forward(self, x):
-        return self.down_proj(torch.tanh(self.up_proj(x)))
 
 
 def model_and_data():
     torch.manual_seed(0)
-    model = Mlp()
+    model = OddRowMlp()
     generator = torch.Generator().manual_seed(1)
     steps = [torch.randn(4, 8, generator=generator) for _ in range(2)]
     return model, steps
@@ -47,13 +36,9 @@ def run_steps(model, optimizer, steps, part=None, on_sketch=None):
         optimizer.apply_update(alpha=1.0)
 
 
-def full(weight):
-    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight.detach().clone()
-
-
 def single_process_result(sketch_reduction="all_reduce"):
     model, steps = model_and_data()
-    optimizer = LoGRAOptimizer(model, LoGRAConfig(rank=16, target_modules=TARGETS, update_factor_dtype="float32"))
+    optimizer = LoGRAOptimizer(model, LoGRAConfig(rank=16, target_modules=MLP_TARGETS, update_factor_dtype="float32"))
     first_sketches = []
     run_steps(model, optimizer, steps, on_sketch=lambda o: first_sketches.append(o.sketches.buffer.clone()))
     return [full(s.weight) for s in optimizer.sketches], first_sketches[0]
@@ -61,7 +46,7 @@ def single_process_result(sketch_reduction="all_reduce"):
 
 def _replicated_worker(rank, world):
     model, steps = model_and_data()
-    optimizer = LoGRAOptimizer(model, LoGRAConfig(rank=16, target_modules=TARGETS, update_factor_dtype="float32"))
+    optimizer = LoGRAOptimizer(model, LoGRAConfig(rank=16, target_modules=MLP_TARGETS, update_factor_dtype="float32"))
     local = []
 
     def capture(o):
@@ -92,7 +77,7 @@ def _sharded_worker(rank, world, sketch_reduction):
 
     model, steps = model_and_data()
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    config = LoGRAConfig(rank=16, target_modules=TARGETS, update_factor_dtype="float32", sketch_reduction=sketch_reduction)
+    config = LoGRAConfig(rank=16, target_modules=MLP_TARGETS, update_factor_dtype="float32", sketch_reduction=sketch_reduction)
     optimizer = LoGRAOptimizer(model, config)
     run_steps(model, optimizer, steps, part=(rank, world))
     moment = optimizer.state_dict()["second_moments"]["up_proj"]

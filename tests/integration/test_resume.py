@@ -17,11 +17,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.data import PromptDataModule
 from lightning_logra.modules import LossConfig, OptimizerConfig, RolloutConfig
-from tests.distributed import child_environment, run_lightning_on_two_ranks
-from tests.resume_helpers import RecordingGRPO
+from tests.helpers.distributed import child_environment, run_lightning_on_two_ranks
+from tests.helpers.grpo import RecordingGRPO
 
 REPO = Path(__file__).resolve().parents[2]
-REWARD = "tests.lightning.test_grpo_module:varied_reward"
+REWARD = "tests.helpers.grpo:varied_reward"
 
 
 def grpo(folder):
@@ -98,11 +98,11 @@ trainer:
   callbacks:
     - class_path: lightning_logra.LoGRACallback
       init_args: {{log_memory: false}}
-    - class_path: tests.resume_helpers.SlowDown
+    - class_path: tests.helpers.grpo.SlowDown
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {{dirpath: {root}/ckpt, every_n_train_steps: 1, save_top_k: -1, save_last: true}}
 model:
-  class_path: tests.resume_helpers.RecordingGRPO
+  class_path: tests.helpers.grpo.RecordingGRPO
   init_args:
     model: {model}
     rewards: [{reward}]

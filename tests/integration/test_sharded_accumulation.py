@@ -5,20 +5,19 @@ import pytest
 import torch
 
 from lightning_logra import LoGRAConfig, LoGRAOptimizer, memory_report
-from tests.distributed import run_on_two_ranks
-from tests.integration.test_distributed_core import Mlp  # up_proj has 301 rows: FSDP2 splits them 151 + 150
+from tests.helpers.core import MLP_TARGETS, OddRowMlp, full  # OddRowMlp.up_proj: 301 rows, 151 + 150 under FSDP2
+from tests.helpers.distributed import run_on_two_ranks
 
 pytestmark = pytest.mark.distributed
-TARGETS = ["up_proj", "down_proj"]
 RANK = 16
 
 
-def sharded_model(reshard_after_forward: bool = True) -> Mlp:
+def sharded_model(reshard_after_forward: bool = True) -> OddRowMlp:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = Mlp()
+    model = OddRowMlp()
     fully_shard(model, mesh=init_device_mesh("cpu", (2,)), reshard_after_forward=reshard_after_forward)
     return model
 
@@ -30,7 +29,7 @@ def batches(rank: int, steps: int, micro_batches: int) -> list[list[torch.Tensor
 
 
 def optimizer_for(model, accumulation: str) -> LoGRAOptimizer:
-    config = LoGRAConfig(rank=RANK, target_modules=TARGETS, update_factor_dtype="float32", sketch_accumulation=accumulation)
+    config = LoGRAConfig(rank=RANK, target_modules=MLP_TARGETS, update_factor_dtype="float32", sketch_accumulation=accumulation)
     return LoGRAOptimizer(model, config)
 
 
@@ -49,10 +48,6 @@ def local(tensor):
     return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).detach().clone()
 
 
-def full(weight):
-    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight.detach().clone()
-
-
 def _training_worker(rank, world, accumulation, micro_batches):
     model = sharded_model()
     optimizer = optimizer_for(model, accumulation)
@@ -65,7 +60,7 @@ def _training_worker(rank, world, accumulation, micro_batches):
     return {"accumulation": optimizer.layout.accumulation, "buffer": reduced[0],
             "state_bytes": optimizer.state_bytes(), "predicted": predicted,
             "weights": [full(state.weight) for state in optimizer.sketches],
-            "moments": [full(moments[name]) for name in TARGETS]}
+            "moments": [full(moments[name]) for name in MLP_TARGETS]}
 
 
 @pytest.mark.parametrize("micro_batches", [1, 3])

@@ -13,8 +13,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.data import PromptDataModule
 from lightning_logra.modules import GRPOModule, OptimizerConfig, RolloutConfig
-from tests.distributed import run_lightning_on_two_ranks
-from tests.tiny_models import byte_tokenizer, favour_token
+from tests.helpers.distributed import run_lightning_on_two_ranks
+from tests.helpers.grpo import rewards
+from tests.helpers.models import byte_tokenizer, favour_token
 
 pytestmark = [
     pytest.mark.vllm_cpu,
@@ -96,7 +97,7 @@ def fit_with_vllm(folder, strategy, steps=2, devices=1, **rollout):
     grpo = GRPOModule(model=folder, rollout=RolloutConfig(engine="vllm", num_generations=2, max_new_tokens=6,
                                                           val_generations=2, kv_cache_gib=0.25, **rollout),
                       optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, decay_steps=0), micro_batch_size=2,
-                      rewards=["tests.integration.test_vllm_cpu:varied_reward"])
+                      rewards=rewards("varied_reward"))
     logged = []
 
     class Capture(L.Callback):
@@ -110,10 +111,6 @@ def fit_with_vllm(folder, strategy, steps=2, devices=1, **rollout):
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                   limit_val_batches=0, callbacks=[Capture(), LoGRACallback()] if strategy != "auto" else [Capture()]).fit(grpo, data)
     return grpo, logged
-
-
-def varied_reward(completions, **kwargs):
-    return [sum(map(ord, text)) % 7 / 7 for text in completions]
 
 
 def test_grpo_with_logra_samples_from_every_update(folder):

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.loggers import Logger
 
 from lightning_logra import LoGRACallback, LoGRAFSDPStrategy, LoGRAStepInputs, scheduled_budget
-from tests.lightning_helpers import CausalLM, config, loader, trainer
+from tests.helpers.lightning import CausalLM, config, loader, trainer
 
 EXPECTED_KEYS = {
     "logra/predicted_kl", "logra/predicted_kl_scaled", "logra/alpha", "logra/budget", "logra/mismatch",

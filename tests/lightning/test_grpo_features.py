@@ -3,7 +3,6 @@ GSPO options, TRL rewards and completion tables, on a tiny random Qwen2 (dense A
 the test is about LoGRA)."""
 
 import json
-import warnings
 from pathlib import Path
 
 import lightning as L
@@ -12,77 +11,32 @@ import torch
 from lightning.pytorch.loggers import Logger, MLFlowLogger
 
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
-from lightning_logra.data import PromptDataModule
 from lightning_logra.modules import LossConfig, RolloutConfig
-from tests.distributed import run_lightning_on_two_ranks
-from tests.lightning_helpers import record_step_inputs
-from tests.lightning.test_grpo_module import module
-from tests.tiny_models import favour_token
-
-SEEN: dict[str, list] = {}
-
-
-def varied_reward(completions, **kwargs):
-    return [sum(map(ord, str(c))) % 7 / 7 for c in completions]
-
-
-def odd_answer_reward(completions, answer, **kwargs):
-    """Varies only for prompts with an odd answer: the groups of even answers carry no signal."""
-    return [sum(map(ord, str(c))) % 7 / 7 if int(a) % 2 else 0.0 for c, a in zip(completions, answer)]
-
-
-def recording_reward(completions, **kwargs):
-    SEEN.update(completions=completions, **kwargs)
-    return [0.5] * len(completions)
-
-
-def zero_reward(completions, **kwargs):
-    return [0.0] * len(completions)
-
-
-def run(grpo, folder, steps=2, strategy="auto", loggers=False, data_options=None, callbacks=(), devices=1):
-    """Fit; returns the trainer and the metrics logged at every training batch."""
-    logged = []
-
-    class Capture(L.Callback):
-        def on_train_batch_end(self, trainer, *args):
-            logged.append({k: float(v) for k, v in trainer.callback_metrics.items()})
-
-    data = PromptDataModule(train="arithmetic", val="arithmetic", tokenizer=folder, batch_size=2, train_size=16,
-                            val_size=4, **(data_options or {}))
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=loggers,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, callbacks=[Capture(), *callbacks])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(grpo, data)
-    return trainer, logged
-
-
-def rewards(name):
-    return [f"tests.lightning.test_grpo_features:{name}"]
+from tests.helpers.grpo import SEEN, fit_grpo, grpo_module, rewards
+from tests.helpers.lightning import record_step_inputs
+from tests.helpers.models import favour_token
 
 
 def test_several_updates_per_rollout_batch_clip_against_the_sampling_weights(model_folder):
-    grpo = module(model_folder, num_iterations=2, mini_batches=2, rewards=rewards("varied_reward"))
+    grpo = grpo_module(model_folder, num_iterations=2, mini_batches=2, rewards=rewards("varied_reward"))
     grpo.optimizer_config.lr = 3e-2  # large steps, so the second pass leaves the trust region
-    trainer, logged = run(grpo, model_folder, steps=4)
+    trainer, logged = fit_grpo(grpo, model_folder, steps=4)
     assert trainer.global_step == 4 and len(logged) == 1  # one rollout batch, 4 optimizer steps
     assert logged[0]["train/updates"] == 4
     assert logged[0]["policy/clip_fraction"] > 0  # the ratio moved away from 1: "old" is the sampling pass
 
 
 def test_one_update_never_clips(model_folder):
-    grpo = module(model_folder, rewards=rewards("varied_reward"))
+    grpo = grpo_module(model_folder, rewards=rewards("varied_reward"))
     grpo.optimizer_config.lr = 3e-2
-    _, logged = run(grpo, model_folder, steps=2)
+    _, logged = fit_grpo(grpo, model_folder, steps=2)
     assert all(step["policy/clip_fraction"] == 0 for step in logged)
     # HF engine, temperature 1, no truncation: rollout and trainer score the same distribution.
     assert all(step["policy/rollout_trainer_logprob_gap_abs"] < 1e-5 for step in logged)
 
 
 def test_each_mini_batch_is_one_logra_update_seen_by_the_kl_controller(model_folder):
-    grpo = module(model_folder, mini_batches=2, rewards=rewards("varied_reward"))
+    grpo = grpo_module(model_folder, mini_batches=2, rewards=rewards("varied_reward"))
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
     probed_rows = []
 
@@ -98,8 +52,8 @@ def test_each_mini_batch_is_one_logra_update_seen_by_the_kl_controller(model_fol
                 step = trainer.strategy.runtime.step
                 trainer.strategy.runtime.step = lambda *a, **k: reports.append(step(*a, **k)) or reports[-1]
 
-    trainer, logged = run(grpo, model_folder, steps=4, strategy=strategy,
-                          callbacks=[LoGRACallback(), Probed(), Reports()])
+    trainer, logged = fit_grpo(grpo, model_folder, steps=4, strategy=strategy,
+                               callbacks=[LoGRACallback(), Probed(), Reports()])
     assert trainer.global_step == 4 and len(logged) == 2
     assert strategy.logra_optimizer.update_count == 4
     assert probed_rows == [2, 2, 2, 2]  # each update probes its own prompt group (2 samples)
@@ -107,16 +61,16 @@ def test_each_mini_batch_is_one_logra_update_seen_by_the_kl_controller(model_fol
 
 
 def test_mini_batches_must_divide_the_prompts(model_folder):
-    grpo = module(model_folder, mini_batches=3, rewards=rewards("varied_reward"))
+    grpo = grpo_module(model_folder, mini_batches=3, rewards=rewards("varied_reward"))
     with pytest.raises(ValueError, match="mini_batches = 3 must divide the 2 prompts"):
-        run(grpo, model_folder, steps=1)
+        fit_grpo(grpo, model_folder, steps=1)
 
 
 def test_truncated_importance_sampling_is_on_for_vllm_and_when_asked(model_folder):
-    assert module(model_folder, rollout=RolloutConfig(engine="vllm", num_generations=2))._tis
-    assert not module(model_folder)._tis
-    grpo = module(model_folder, loss=LossConfig(tis=True, tis_cap=2.0), rewards=rewards("varied_reward"))
-    _, logged = run(grpo, model_folder, steps=1)
+    assert grpo_module(model_folder, rollout=RolloutConfig(engine="vllm", num_generations=2))._tis
+    assert not grpo_module(model_folder)._tis
+    grpo = grpo_module(model_folder, loss=LossConfig(tis=True, tis_cap=2.0), rewards=rewards("varied_reward"))
+    _, logged = fit_grpo(grpo, model_folder, steps=1)
     assert logged[0]["policy/tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)  # HF engine: ratios ~1
     assert logged[0]["policy/tis_capped_fraction"] == 0
 
@@ -130,19 +84,19 @@ def test_vllm_rollouts_refuse_truncated_sampling():
     RolloutConfig(engine="vllm", val_top_p=0.7)  # validation may truncate: its log-probs are not used
 
 
-def test_gspo_trains(model_folder):
-    grpo = module(model_folder, loss=LossConfig(type="gspo", epsilon_low=3e-4, epsilon_high=4e-4),
-                  rewards=rewards("varied_reward"))
+def test_gspo_moves_the_weights_and_logs_its_clip_fraction(model_folder):
+    grpo = grpo_module(model_folder, loss=LossConfig(type="gspo", epsilon_low=3e-4, epsilon_high=4e-4),
+                       rewards=rewards("varied_reward"))
     before = [p.detach().clone() for p in grpo.policy.parameters()]
-    _, logged = run(grpo, model_folder, steps=1)
+    _, logged = fit_grpo(grpo, model_folder, steps=1)
     assert any(not torch.equal(a, b) for a, b in zip(before, grpo.policy.parameters()))
     assert "policy/clip_fraction" in logged[0]
 
 
 def test_dynamic_sampling_replaces_groups_without_signal(model_folder):
-    grpo = module(model_folder, rollout=RolloutConfig(num_generations=2, max_new_tokens=6, dynamic_sampling=True,
-                                                      max_sampling_rounds=4), rewards=rewards("odd_answer_reward"))
-    _, logged = run(grpo, model_folder, steps=3)
+    grpo = grpo_module(model_folder, rollout=RolloutConfig(num_generations=2, max_new_tokens=6, dynamic_sampling=True,
+                                                           max_sampling_rounds=4), rewards=rewards("odd_answer_reward"))
+    _, logged = fit_grpo(grpo, model_folder, steps=3)
     assert sum(step["sampling/dropped_groups"] for step in logged) > 0
     assert sum(step["sampling/extra_rounds"] for step in logged) > 0
     for step in logged:
@@ -151,12 +105,12 @@ def test_dynamic_sampling_replaces_groups_without_signal(model_folder):
 
 
 def test_mask_truncated_leaves_cut_off_completions_out(model_folder):
-    grpo = module(model_folder, loss=LossConfig(mask_truncated=True), rewards=rewards("varied_reward"))
+    grpo = grpo_module(model_folder, loss=LossConfig(mask_truncated=True), rewards=rewards("varied_reward"))
     with torch.no_grad():
         favour_token(grpo.policy, grpo.tokenizer.eos_token_id, 2.0)  # some completions stop, some are cut off
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
     recorded = record_step_inputs(grpo)
-    _, logged = run(grpo, model_folder, steps=1, strategy=strategy)
+    _, logged = fit_grpo(grpo, model_folder, steps=1, strategy=strategy)
     inputs = recorded[-1]
     cut_off = ~inputs.logprob_pairs.mask.any(dim=1)
     assert cut_off.any() and not cut_off.all(), "this seed's rollouts mix stopped and cut-off completions"
@@ -168,31 +122,31 @@ def test_mask_truncated_leaves_cut_off_completions_out(model_folder):
 
 
 def test_a_run_with_nothing_to_train_on_stops_with_a_clear_error(model_folder):
-    grpo = module(model_folder, loss=LossConfig(mask_truncated=True), rewards=rewards("varied_reward"))
+    grpo = grpo_module(model_folder, loss=LossConfig(mask_truncated=True), rewards=rewards("varied_reward"))
     eos = torch.tensor([grpo.tokenizer.eos_token_id])
     grpo.policy.lm_head.register_forward_hook(lambda head, args, logits: logits.index_fill(-1, eos, float("-inf")))
     before = [p.detach().clone() for p in grpo.policy.parameters()]
     with pytest.raises(RuntimeError, match="8 updates in a row had no completion token to train on"):
-        run(grpo, model_folder, steps=2)
+        fit_grpo(grpo, model_folder, steps=2)
     # EOS cannot be sampled, every completion is cut off: nothing was trained, no weight moved
     assert all(torch.equal(a, b) for a, b in zip(before, grpo.policy.parameters()))
 
 
 def test_overlong_penalty_lowers_the_reward_of_long_completions(model_folder):
     # Zero task reward and a buffer as long as the limit: reward = -length / max_new_tokens.
-    grpo = module(model_folder, loss=LossConfig(overlong_buffer=6, overlong_penalty=1.0), rewards=rewards("zero_reward"))
-    _, logged = run(grpo, model_folder, steps=1)
+    grpo = grpo_module(model_folder, loss=LossConfig(overlong_buffer=6, overlong_penalty=1.0), rewards=rewards("zero_reward"))
+    _, logged = fit_grpo(grpo, model_folder, steps=1)
     assert logged[0]["reward/mean"] == pytest.approx(-logged[0]["completion/length_mean"] / 6, rel=1e-6)
 
 
 def test_overlong_buffer_longer_than_the_limit_is_refused(model_folder):
     with pytest.raises(ValueError, match=r"GRPOModule.loss.overlong_buffer = 7 is invalid: must be <= rollout.max_new_tokens = 6"):
-        module(model_folder, loss=LossConfig(overlong_buffer=7))
+        grpo_module(model_folder, loss=LossConfig(overlong_buffer=7))
 
 
 def test_reward_functions_get_trl_arguments_and_per_function_metrics(model_folder):
-    grpo = module(model_folder, rewards=rewards("recording_reward") + ["trl.rewards:think_format_reward"])
-    _, logged = run(grpo, model_folder, steps=1, data_options={"conversational": True})
+    grpo = grpo_module(model_folder, rewards=rewards("recording_reward") + ["trl.rewards:think_format_reward"])
+    _, logged = fit_grpo(grpo, model_folder, steps=1, data_options={"conversational": True})
     assert SEEN["completions"][0][0]["role"] == "assistant"  # conversational prompts: message completions
     assert SEEN["prompts"][0][-1]["role"] == "user"
     assert len(SEEN["answer"]) == len(SEEN["completion_ids"]) == 4
@@ -222,10 +176,10 @@ class TableLogger(Logger):
 
 
 def test_completion_tables_go_to_mlflow_and_table_loggers(model_folder, tmp_path):
-    grpo = module(model_folder, rewards=rewards("varied_reward"), log_completions_every=2, log_completions_count=3)
+    grpo = grpo_module(model_folder, rewards=rewards("varied_reward"), log_completions_every=2, log_completions_count=3)
     mlflow_logger = MLFlowLogger(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_location=str(tmp_path / "art"))
     table_logger = TableLogger()
-    run(grpo, model_folder, steps=3, loggers=[mlflow_logger, table_logger])
+    fit_grpo(grpo, model_folder, steps=3, loggers=[mlflow_logger, table_logger])
     assert [step for *_, step in table_logger.tables] == [0, 2]
     key, columns, data, _ = table_logger.tables[0]
     assert columns == ["step", "prompt", "completion", "answer", "reward", "reward/varied_reward", "length", "truncated"]
@@ -235,23 +189,3 @@ def test_completion_tables_go_to_mlflow_and_table_loggers(model_folder, tmp_path
     local = mlflow_logger.experiment.download_artifacts(mlflow_logger.run_id, "completions/step_000000.json", str(tmp_path))
     table = json.loads(Path(local).read_text())
     assert table["columns"] == columns and len(table["data"]) == 3
-
-
-def _two_rank_dynamic_mini_batches(rank, world, folder):
-    grpo = module(folder, mini_batches=2, rewards=rewards("odd_answer_reward"),
-                  rollout=RolloutConfig(num_generations=2, max_new_tokens=6, dynamic_sampling=True, max_sampling_rounds=2))
-    strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
-    trainer, logged = run(grpo, folder, steps=4, strategy=strategy, callbacks=[LoGRACallback()], devices=2)
-    weights = [s.weight.full_tensor() for s in strategy.logra_optimizer.sketches]
-    return trainer.global_step, strategy.logra_optimizer.update_count, sum(step["sampling/dropped_groups"] for step in logged), weights
-
-
-@pytest.mark.distributed
-def test_two_processes_agree_on_sampling_rounds_and_updates(model_folder):
-    # Each rank drops its own groups, yet both run the same generation rounds (generation under
-    # FSDP2 is a collective: a mismatch would hang) and updates, and their weights stay equal.
-    (steps0, updates0, dropped0, weights0), (steps1, updates1, dropped1, weights1) = run_lightning_on_two_ranks(
-        _two_rank_dynamic_mini_batches, model_folder)
-    assert steps0 == steps1 == 4 and updates0 == updates1 == 4
-    assert dropped0 == dropped1 > 0  # groups were dropped (metrics are summed over ranks)
-    assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))

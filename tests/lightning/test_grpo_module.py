@@ -8,37 +8,14 @@ import pytest
 import torch
 
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
-from lightning_logra.data import PromptDataModule
-from lightning_logra.modules import GRPOModule, LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
+from lightning_logra.modules import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
 from lightning_logra.modules.grpo import lr_factor
-from tests.distributed import run_lightning_on_two_ranks
+from tests.helpers.grpo import grpo_module, prompt_data
 
 LOGGED = {"reward/mean", "reward/std", "reward/zero_std_groups", "reward/failures", "completion/length_mean",
           "completion/length_max", "completion/clipped_fraction", "policy/entropy", "policy/clip_fraction",
           "policy/rollout_trainer_logprob_gap", "perf/tokens_per_second", "perf/generation_s", "perf/rewards_s",
           "perf/forward_backward_s", "perf/optimizer_step_s", "perf/weight_sync_s"}
-
-
-def varied_reward(completions, **kwargs):
-    """A reward a random tiny model earns unevenly, so that advantages are not all zero."""
-    return [sum(map(ord, text)) % 7 / 7 for text in completions]
-
-
-def module(folder, **overrides):
-    options = dict(
-        model=folder,
-        rollout=RolloutConfig(num_generations=2, max_new_tokens=6, val_generations=2),
-        optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, decay_steps=0),
-        micro_batch_size=2,
-        rewards=["tests.lightning.test_grpo_module:varied_reward"],
-    )
-    options.update(overrides)
-    return GRPOModule(**options)
-
-
-def data(folder, batch_size=2):
-    return PromptDataModule(train="arithmetic", val="arithmetic", tokenizer=folder, batch_size=batch_size,
-                            train_size=16, val_size=4)
 
 
 def fit(grpo, folder, strategy="auto", steps=2, **options):
@@ -53,7 +30,7 @@ def fit(grpo, folder, strategy="auto", steps=2, **options):
         warnings.simplefilter("ignore")
         L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  limit_val_batches=0, callbacks=[Capture(), *options.pop("callbacks", [])], **options).fit(grpo, data(folder))
+                  limit_val_batches=0, callbacks=[Capture(), *options.pop("callbacks", [])], **options).fit(grpo, prompt_data(folder))
     changed = set()
     for name, parameter in grpo.policy.named_parameters():
         value = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter.detach()
@@ -63,7 +40,7 @@ def fit(grpo, folder, strategy="auto", steps=2, **options):
 
 
 def test_logra_changes_exactly_the_target_weights(model_folder):
-    grpo = module(model_folder)
+    grpo = grpo_module(model_folder)
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
     changed, logged = fit(grpo, model_folder, strategy=strategy, callbacks=[LoGRACallback()])
     targets = {f"{state.name}.weight" for state in strategy.logra_optimizer.sketches}
@@ -75,7 +52,7 @@ def test_logra_changes_exactly_the_target_weights(model_folder):
 def test_logra_under_bf16_mixed_precision_probes_and_updates(model_folder):
     # GRPOModule steps its optimizer inside training_step, so the KL probe runs under the
     # precision plugin's autocast: float32 residual inputs, bfloat16 layer outputs.
-    grpo = module(model_folder)
+    grpo = grpo_module(model_folder)
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
     changed, logged = fit(grpo, model_folder, strategy=strategy, precision="bf16-mixed", callbacks=[LoGRACallback(measure_kl=True)])
     assert changed == {f"{state.name}.weight" for state in strategy.logra_optimizer.sketches}
@@ -87,7 +64,7 @@ def test_logra_under_bf16_mixed_precision_probes_and_updates(model_folder):
 @pytest.mark.parametrize("follow", [False, True])
 def test_logra_step_size_ignores_the_lr_schedule_unless_asked(model_folder, follow):
     # GRPOModule's default schedule warms up over 9 steps: lr / initial lr = 1/9 at step 0.
-    grpo = module(model_folder, optimizer=OptimizerConfig())
+    grpo = grpo_module(model_folder, optimizer=OptimizerConfig())
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, follow_lr_schedule=follow))
     fit(grpo, model_folder, strategy=strategy, steps=1)
     report = strategy.last_report
@@ -97,7 +74,7 @@ def test_logra_step_size_ignores_the_lr_schedule_unless_asked(model_folder, foll
 
 
 def test_probe_batch_answers_different_prompts_at_the_sampling_temperature(model_folder):
-    grpo = module(model_folder, rollout=RolloutConfig(num_generations=2, max_new_tokens=6, temperature=0.7))
+    grpo = grpo_module(model_folder, rollout=RolloutConfig(num_generations=2, max_new_tokens=6, temperature=0.7))
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8))
     probes, rollout_rows, step_inputs = [], [], grpo.logra_step_inputs
 
@@ -117,7 +94,7 @@ def test_probe_batch_answers_different_prompts_at_the_sampling_temperature(model
 
 
 def test_dense_adamw_changes_every_weight(model_folder):
-    grpo = module(model_folder, activation_checkpointing=False)
+    grpo = grpo_module(model_folder, activation_checkpointing=False)
     changed, logged = fit(grpo, model_folder)
     names = {name for name, _ in grpo.policy.named_parameters()}
     # the embedding of tokens never sampled keeps its rows, but every tensor moves
@@ -126,7 +103,7 @@ def test_dense_adamw_changes_every_weight(model_folder):
 
 
 def test_lora_changes_only_the_adapters(model_folder):
-    grpo = module(model_folder, lora=LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"]))
+    grpo = grpo_module(model_folder, lora=LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"]))
     changed, _ = fit(grpo, model_folder)
     trainable = {name for name, p in grpo.policy.named_parameters() if p.requires_grad}
     assert len(trainable) == 8 and all("lora_" in name for name in trainable)
@@ -136,8 +113,8 @@ def test_lora_changes_only_the_adapters(model_folder):
 
 @pytest.mark.parametrize("loss", [LossConfig(type="reinforce_baseline"), LossConfig(type="dr_grpo"),
                                   LossConfig(type="grpo", aggregation="sequence", kl_coef=0.1)])
-def test_other_losses_run(model_folder, loss):
-    grpo = module(model_folder, loss=loss)
+def test_other_losses_move_the_weights_and_log_their_metrics(model_folder, loss):
+    grpo = grpo_module(model_folder, loss=loss)
     changed, logged = fit(grpo, model_folder, steps=1)
     assert changed and "reward/mean" in logged
     if loss.type == "reinforce_baseline":
@@ -147,11 +124,11 @@ def test_other_losses_run(model_folder, loss):
 
 
 def test_validation_logs_pass_at_1_and_n(model_folder):
-    grpo = module(model_folder)
+    grpo = grpo_module(model_folder)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         results = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False).validate(grpo, data(model_folder))
+                            enable_model_summary=False).validate(grpo, prompt_data(model_folder))
     assert set(results[0]) == {"val/pass_at_1", "val/pass_at_2"}
     assert 0.0 <= results[0]["val/pass_at_1"] <= results[0]["val/pass_at_2"] <= 1.0
 
@@ -172,7 +149,7 @@ def test_invalid_settings_name_the_field(model_folder):
     with pytest.raises(ValueError, match=r"LossConfig.tis_cap = 0 is invalid: must be a finite number > 0"):
         LossConfig(tis_cap=0)
     with pytest.raises(ValueError, match=r"GRPOModule.rollout.engine = 'vllm' is invalid: must be 'hf' with lora"):
-        module(model_folder, rollout=RolloutConfig(engine="vllm"), lora=LoRAConfig())
+        grpo_module(model_folder, rollout=RolloutConfig(engine="vllm"), lora=LoRAConfig())
 
 
 @pytest.mark.parametrize(("argument", "value", "allowed"), [
@@ -187,32 +164,14 @@ def test_invalid_settings_name_the_field(model_folder):
 def test_module_arguments_are_checked_like_config_fields(model_folder, argument, value, allowed):
     with pytest.raises(ValueError, match=rf"GRPOModule\.{argument} = {re.escape(repr(value))} is invalid: "
                                          rf"must be {re.escape(allowed)}"):
-        module(model_folder, **{argument: value})
+        grpo_module(model_folder, **{argument: value})
 
 
 def test_logprob_chunk_size_is_the_deprecated_name_of_logprob_chunk_positions(model_folder, no_alias_warned_yet):
     with pytest.warns(FutureWarning, match="GRPOModule.logprob_chunk_size is deprecated: use logprob_chunk_positions"):
-        grpo = module(model_folder, logprob_chunk_size=64)
+        grpo = grpo_module(model_folder, logprob_chunk_size=64)
     assert grpo.logprob_chunk_positions == 64 and grpo._micro_batching.chunk_size == 64
     assert grpo.hparams["logprob_chunk_positions"] == 64 and "logprob_chunk_size" not in grpo.hparams
     assert grpo.logprob_chunk_size == 64  # read through the new name (warned once already)
     with pytest.raises(ValueError, match="are both given"):
-        module(model_folder, logprob_chunk_size=64, logprob_chunk_positions=32)
-
-
-def _two_rank_fit(rank, world, folder):
-    grpo = module(folder)
-    strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
-                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  limit_val_batches=0, callbacks=[LoGRACallback()]).fit(grpo, data(folder))
-    return strategy.logra_optimizer.update_count, [s.weight.full_tensor() for s in strategy.logra_optimizer.sketches]
-
-
-@pytest.mark.distributed
-def test_two_process_logra_fit(model_folder):
-    (count0, weights0), (count1, weights1) = run_lightning_on_two_ranks(_two_rank_fit, model_folder)
-    assert count0 == count1 == 2
-    assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))
+        grpo_module(model_folder, logprob_chunk_size=64, logprob_chunk_positions=32)

@@ -9,7 +9,7 @@ import torch
 from lightning_logra import LoGRAFSDPStrategy, LoGRAModuleHooks, LoGRAStepInputs, ProbeBatch
 from lightning_logra.hooks import found_hooks, last_step_report
 from lightning_logra.modules import GRPOModule
-from tests.lightning_helpers import CausalLM, config, loader, trainer
+from tests.helpers.lightning import CausalLM, config, loader, trainer
 
 
 class WithOldHook(CausalLM):

@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_logra import LoGRAFabricStrategy, LoGRAFSDPStrategy
-from tests.lightning_helpers import CausalLM, config, loader, trainer
+from tests.helpers.lightning import CausalLM, config, loader, trainer
 
 
 class Counter:

@@ -1,6 +1,5 @@
-"""logra_fsdp with the Trainer and Fabric: same weights as the plain-torch engine."""
-
-import warnings
+"""logra_fsdp with the Trainer and Fabric on one device: same weights as the plain-torch engine
+(on two: tests/integration/test_strategy_two_ranks.py)."""
 
 import lightning as L
 import pytest
@@ -8,21 +7,16 @@ import torch
 
 import lightning_logra
 from lightning_logra import LoGRAFabricStrategy, LoGRAFSDPStrategy
-from tests.distributed import run_lightning_on_two_ranks
-from tests.lightning_helpers import (
+from tests.helpers.lightning import (
     CausalLM,
     config,
     dataset,
+    fabric_loop,
     loader,
     reference_weights,
     trained_weights,
     trainer,
 )
-
-# FSDP2's all-gathered weights compute exactly what the plain weights compute; with two
-# ranks the sketch is a mean of two half-batch sketches: float32 round-off.
-TWO_RANK_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
-
 
 def test_importing_the_package_registers_the_name_in_both_registries():
     from lightning.fabric.strategies import STRATEGY_REGISTRY
@@ -80,61 +74,9 @@ def test_accumulate_grad_batches_equals_manual_micro_batches(tmp_path):
 def test_fabric_one_device_equals_the_plain_engine():
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy=LoGRAFabricStrategy(logra=config()))
     fabric.launch()
-    weights = _fabric_loop(fabric, rank=0, world=1)
+    weights = fabric_loop(fabric, rank=0, world=1)
     for weight, expected in zip(weights, reference_weights(3, 4, config())):
         torch.testing.assert_close(weight, expected, rtol=0, atol=0)
-
-
-def _fabric_loop(fabric, rank, world):
-    module = CausalLM()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = fabric.setup_module(module)
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
-        rows = torch.stack([row["input_ids"] for row in dataset()])
-        for step in range(3):
-            batch = rows[step * 4 : (step + 1) * 4].chunk(world)[rank]
-            fabric.backward(module.loss({"input_ids": batch, "attention_mask": torch.ones_like(batch)}))
-            optimizer.step()
-            optimizer.zero_grad()
-    return trained_weights(fabric.strategy)
-
-
-def _sharded(strategy) -> bool:
-    """Whether FSDP2 shards the policy: every parameter a DTensor, the start line saying so."""
-    from torch.distributed.tensor import DTensor
-
-    policy = strategy.logra_optimizer.model
-    every_parameter_sharded = all(isinstance(p, DTensor) for p in policy.parameters())
-    return every_parameter_sharded and "; FSDP2 shards the policy over 2 ranks;" in strategy.runtime.describe(policy)
-
-
-def _two_rank_runs(rank, world):
-    import lightning as L
-
-    results = {}
-    for reduction in ("all_reduce", "reduce_scatter"):
-        strategy = LoGRAFSDPStrategy(logra=config(sketch_reduction=reduction))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer(strategy, max_steps=3, devices=2).fit(CausalLM(), loader(2, rank=rank, world=world))
-        results[f"trainer/{reduction}"] = (strategy.logra_optimizer.layout.name, _sharded(strategy), trained_weights(strategy))
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=LoGRAFabricStrategy(logra=config()))
-    fabric.launch()
-    weights = _fabric_loop(fabric, rank, world)
-    results["fabric/auto"] = (fabric.strategy.logra_optimizer.layout.name, _sharded(fabric.strategy), weights)
-    return results
-
-
-@pytest.mark.distributed
-def test_two_devices_shard_the_policy_and_equal_the_plain_engine_for_trainer_and_fabric():
-    results = run_lightning_on_two_ranks(_two_rank_runs)
-    expected = reference_weights(3, 4, config())
-    for name, (reduction, sharded, weights) in results[0].items():
-        assert reduction == name.split("/")[1].replace("auto", "reduce_scatter"), name
-        assert sharded, name
-        for weight, reference in zip(weights, expected):
-            torch.testing.assert_close(weight, reference, **TWO_RANK_TOLERANCE, msg=name)
 
 
 def test_model_summary_and_start_line_count_what_logra_trains(tmp_path, monkeypatch):

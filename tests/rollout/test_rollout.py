@@ -8,7 +8,7 @@ from transformers.generation.logits_process import TopPLogitsWarper
 
 from lightning_logra.rl.logprobs import sequence_logprobs
 from lightning_logra.rollout import HFRolloutEngine, Rollouts, VLLMRolloutEngine, pack_rollouts, select_rows
-from tests.tiny_models import byte_tokenizer, favour_token, tiny_qwen2
+from tests.helpers.models import byte_tokenizer, favour_token, tiny_qwen2
 
 PROMPTS = ["What is 2 + 3?", "Hi"]  # 14 and 2 byte tokens: the second is left-padded
 

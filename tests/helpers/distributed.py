@@ -1,4 +1,5 @@
-"""Run a function on 2 CPU processes over gloo and collect what each rank returns."""
+"""Run a function on 2 CPU processes over gloo and collect what each rank returns; the
+environment for a `logra` subprocess."""
 
 from __future__ import annotations
 

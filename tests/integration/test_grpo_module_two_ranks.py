@@ -1,0 +1,29 @@
+"""GRPOModule with logra_fsdp on two processes: both ranks update and end with the same weights."""
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
+from tests.helpers.distributed import run_lightning_on_two_ranks
+from tests.helpers.grpo import grpo_module, prompt_data
+
+
+def _two_rank_fit(rank, world, folder):
+    grpo = grpo_module(folder)
+    strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=0, callbacks=[LoGRACallback()]).fit(grpo, prompt_data(folder))
+    return strategy.logra_optimizer.update_count, [s.weight.full_tensor() for s in strategy.logra_optimizer.sketches]
+
+
+@pytest.mark.distributed
+def test_two_process_logra_fit_updates_both_ranks_to_equal_weights(model_folder):
+    (count0, weights0), (count1, weights1) = run_lightning_on_two_ranks(_two_rank_fit, model_folder)
+    assert count0 == count1 == 2
+    assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))
