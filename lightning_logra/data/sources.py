@@ -32,7 +32,7 @@ def read_rows(path_or_name: str | Path, split: str | None = None) -> list:
     if path.is_file():
         suffix = path.suffix.lower()
         if suffix in (".jsonl", ".ndjson"):
-            return [_parse_line(line) for line in path.read_text(encoding="utf-8").rstrip().splitlines()]
+            return [_parse_line(line) for line in _jsonl_lines(path)]
         if suffix == ".json":
             rows = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(rows, list):
@@ -44,6 +44,24 @@ def read_rows(path_or_name: str | Path, split: str | None = None) -> list:
     if path.suffix.lower() in (".jsonl", ".ndjson", ".json", ".parquet"):
         raise FileNotFoundError(f"data file not found: {path}")
     return _read_hub_dataset(str(path_or_name), split or "train")
+
+
+def _jsonl_lines(path: Path) -> list[str]:
+    """The file's lines, split on ``\n`` only: JSON strings may hold U+2028, U+0085 and other
+    characters that ``str.splitlines`` would split on (``json.dumps(ensure_ascii=False)``
+    writes them raw). Blank lines at the end are ignored; a line that is not UTF-8 raises,
+    naming the file and the line."""
+    lines = path.read_bytes().split(b"\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    decoded = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            decoded.append(line.decode("utf-8"))
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path}: line {number}: not UTF-8 (byte {line[error.start]:#04x} at column "
+                             f"{error.start + 1})") from error
+    return decoded
 
 
 def validate_rows(rows: list, source: str, *, skip_invalid_rows: bool = False) -> tuple[list[dict], int]:

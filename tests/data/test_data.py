@@ -39,6 +39,21 @@ def test_read_rows_jsonl_keeps_one_entry_per_line(tmp_path):
         validate_rows(rows, str(path))
 
 
+def test_read_rows_jsonl_keeps_line_separators_inside_strings_in_their_row(tmp_path):
+    rows = [{"prompt": "a\u2028b\u0085c\x1cd", "answer": "1"}, {"prompt": "e", "answer": "2"}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(row, ensure_ascii=False) for row in rows) + "\n\n", encoding="utf-8")
+    assert "\u2028" in path.read_text(encoding="utf-8")  # written raw, as ensure_ascii=False does
+    assert read_rows(path) == rows
+
+
+def test_read_rows_jsonl_names_the_file_and_line_of_a_byte_that_is_not_utf8(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(json.dumps(GOOD_ROWS[0]).encode() + b"\n" + b'{"prompt": "\xff", "answer": "1"}\n')
+    with pytest.raises(ValueError, match=r"rows.jsonl: line 2: not UTF-8 \(byte 0xff at column 13\)"):
+        read_rows(path)
+
+
 def test_read_rows_json_and_parquet(tmp_path):
     (tmp_path / "rows.json").write_text(json.dumps(GOOD_ROWS))
     assert read_rows(tmp_path / "rows.json") == GOOD_ROWS
