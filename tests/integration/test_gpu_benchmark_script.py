@@ -10,9 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# 2.5 min on 2 cores (ten child processes): `-m slow`. The default run keeps the harness's
+# speed and memory smoke runs (tests/integration/test_benchmark_harness.py) for this kind.
+@pytest.mark.slow
 def test_smoke_run_executes_every_part_and_writes_its_results(tmp_path):
     completed = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu", "--device", "cpu", "--smoke", "--out", str(tmp_path)],
