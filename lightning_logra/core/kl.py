@@ -102,22 +102,29 @@ class LogprobPairs(NamedTuple):
 
 
 def mismatch_sums(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(sum of rollout - trainer log-probs, token count) over the masked tokens, float64:
-    the two numbers to all-reduce before taking the mean across ranks."""
+    """(sum of rollout - trainer log-probs, token count, non-finite pairs left out) over the
+    masked tokens, float64: the numbers to all-reduce before taking the mean across ranks.
+
+    A pair whose gap is not finite (an ``-inf`` log-prob of a token one side could not have
+    drawn) would make the EMA infinite for good: it is left out of the mean and counted (ours).
+    """
     mask = mask.to(torch.bool)
     gap = rollout_logprobs.to(torch.float64) - trainer_logprobs.to(torch.float64)
-    return torch.stack([gap[mask].sum(), mask.sum().to(torch.float64)])
+    finite = torch.isfinite(gap)
+    used = mask & finite
+    return torch.stack([gap[used].sum(), used.sum().to(torch.float64), (mask & ~finite).sum().to(torch.float64)])
 
 
 def observed_mismatch(
     rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> float:
-    """max(0, mean(rollout - trainer)) over the masked tokens (EOS-terminated responses)."""
+    """max(0, mean(rollout - trainer)) over the masked tokens (EOS-terminated responses)
+    whose log-probs are both finite."""
     return observed_mismatch_from_sums(mismatch_sums(rollout_logprobs, trainer_logprobs, mask))
 
 
 def observed_mismatch_from_sums(sums: torch.Tensor) -> float:
-    gap_sum, count = sums.tolist()
+    gap_sum, count = sums[:2].tolist()
     return max(0.0, gap_sum / count) if count > 0 else 0.0
 
 
@@ -137,6 +144,7 @@ class Budget:
     scheduled: float  # the cosine schedule's value
     effective: float  # after subtracting the mismatch (= scheduled when nothing is subtracted)
     mismatch: float  # the EMA after this step's observation; committed only if the step is applied
+    nonfinite_pairs: int = 0  # log-prob pairs left out of the observation because their gap is not finite
 
 
 class KLController:
@@ -163,10 +171,12 @@ class KLController:
         sums = mismatch_sums.to(torch.float64).clone()
         if process_group is not None:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=process_group)
+        nonfinite = int(sums[2].item()) if len(sums) > 2 else 0
         if sums[1] == 0:
-            return Budget(scheduled, scheduled, self.mismatch)
+            return Budget(scheduled, scheduled, self.mismatch, nonfinite)
         mismatch = update_mismatch(self.mismatch, observed_mismatch_from_sums(sums), ema_weight=config.mismatch_ema_weight)
-        return Budget(scheduled, effective_budget(scheduled, mismatch, floor=config.mismatch_budget_floor), mismatch)
+        return Budget(scheduled, effective_budget(scheduled, mismatch, floor=config.mismatch_budget_floor), mismatch,
+                      nonfinite)
 
     def scale(self, prediction: float, budget: Budget) -> float:
         return kl_step_scale(prediction, budget=budget.effective, alpha_max=self.config.alpha_max)

@@ -186,7 +186,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             alpha=alpha, predicted_kl=prediction,
             predicted_kl_scaled=None if prediction is None else alpha**2 * prediction,
             budget=None if budget is None else budget.effective, mismatch=self.controller.mismatch,
-            measured_kl=measured, sketch_norm=prepared.sketch_norm, weight_norm=prepared.weight_norm,
+            mismatch_nonfinite_pairs=0 if budget is None else budget.nonfinite_pairs, measured_kl=measured, sketch_norm=prepared.sketch_norm, weight_norm=prepared.weight_norm,
             update_norm=prepared.update_norm, update_ratio=self.param_groups[0]["lr"], **timings,
             low_rank_updates=low_rank,
         )
@@ -355,6 +355,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 f"checkpoint targets {len(layers)} layers that differ from this model's {len(names)}: "
                 f"first difference at {_first_difference(layers, names)}"
             )
+        mismatch = float(state_dict["mismatch"].item())
+        if not math.isfinite(mismatch):
+            raise ValueError(f"the mismatch EMA in the checkpoint is {mismatch}, not finite: the checkpoint is corrupt "
+                             "(resuming from it would pin every later budget to its floor)")
         return self.config.tuning_changes(saved)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -401,7 +405,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         return StepReport(
             update=self.update_count, skipped=True, skip_reason=str(error), skipped_steps=self.skipped_steps,
             alpha=None, predicted_kl=None, predicted_kl_scaled=None, budget=None, mismatch=self.controller.mismatch,
-            measured_kl=None, sketch_norm=None, weight_norm=None, update_norm=None,
+            mismatch_nonfinite_pairs=0, measured_kl=None, sketch_norm=None, weight_norm=None, update_norm=None,
             update_ratio=self.param_groups[0]["lr"], **timings,
         )
 

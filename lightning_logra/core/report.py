@@ -20,6 +20,7 @@ class StepReport:
     predicted_kl_scaled: float | None
     budget: float | None
     mismatch: float
+    mismatch_nonfinite_pairs: int  # log-prob pairs left out of this step's mismatch observation
     measured_kl: float | None
     sketch_norm: float | None
     weight_norm: float | None
@@ -41,6 +42,7 @@ class StepReport:
             "alpha": self.alpha,
             "budget": self.budget,
             "mismatch": self.mismatch,
+            "mismatch_nonfinite_pairs": float(self.mismatch_nonfinite_pairs),
             "measured_kl": self.measured_kl,
             "sketch_norm": self.sketch_norm,
             "update_ratio": self.update_ratio,

@@ -6,7 +6,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import nn
 
 from lightning_logra import LoGRAConfig, ProbeBatch, kl_step_scale, predicted_kl, probe_predicted_kl, scheduled_budget
-from lightning_logra.core.kl import effective_budget, measured_kl, observed_mismatch, update_mismatch
+from lightning_logra.core.kl import KLController, effective_budget, measured_kl, mismatch_sums, observed_mismatch, update_mismatch
 from tests.helpers.core import prepared_probe_model, probe_sequences
 
 
@@ -73,6 +73,21 @@ def test_mismatch_ema_and_budget_floor():
     assert update_mismatch(0.1, 0.3, ema_weight=0.3) == pytest.approx(0.7 * 0.1 + 0.3 * 0.3)
     assert effective_budget(2e-4, 5e-5, floor=0.5) == pytest.approx(1.5e-4)
     assert effective_budget(2e-4, 5e-4, floor=0.5) == pytest.approx(1e-4)
+
+
+def test_a_non_finite_log_prob_pair_is_left_out_of_the_mismatch_and_counted():
+    rollout = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])
+    trainer = torch.tensor([[-1.5, -2.1, -math.inf, -9.0]])  # a token the trainer gives probability 0
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert mismatch_sums(rollout, trainer, mask).tolist() == pytest.approx([0.6, 2.0, 1.0])
+    assert observed_mismatch(rollout, trainer, mask) == pytest.approx(0.3)  # the two finite pairs
+    controller = KLController(LoGRAConfig(kl_budget=2e-4, kl_budget_final=2e-4))
+    for _ in range(3):  # the EMA stays finite step after step
+        budget = controller.budget(0, mismatch_sums(rollout, trainer, mask))
+        controller.commit(budget)
+        assert math.isfinite(controller.mismatch) and budget.nonfinite_pairs == 1
+    nan_only = controller.budget(0, mismatch_sums(torch.tensor([[math.nan]]), torch.tensor([[-1.0]]), torch.tensor([[1]])))
+    assert nan_only.mismatch == controller.mismatch and nan_only.nonfinite_pairs == 1  # nothing finite: EMA unchanged
 
 
 @torch.no_grad()

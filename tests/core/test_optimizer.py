@@ -218,3 +218,14 @@ def test_state_dict_holds_moments_counter_and_mismatch():
     assert state["update_count"].item() == 1 and state["mismatch"].item() == 0.25
     assert set(state["second_moments"]) == set(MLP_TARGETS)
     assert state["second_moments"]["up_proj"].shape == (300, 1)
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+def test_a_non_finite_mismatch_ema_in_a_checkpoint_is_refused_before_anything_loads(value):
+    model, optimizer = token_mlp_and_optimizer()
+    token_mlp_train_step(model, optimizer, 0)
+    state = {**optimizer.state_dict(), "mismatch": torch.tensor([value], dtype=torch.float64)}
+    _, resumed = token_mlp_and_optimizer()
+    with pytest.raises(ValueError, match="mismatch EMA in the checkpoint is (inf|nan)"):
+        resumed.load_state_dict(state)
+    assert resumed.update_count == 0 and resumed.controller.mismatch == 0.0

@@ -13,8 +13,8 @@ from tests.helpers.lightning import CausalLM, config, loader, trainer
 
 EXPECTED_KEYS = {
     "logra/predicted_kl", "logra/predicted_kl_scaled", "logra/alpha", "logra/budget", "logra/mismatch",
-    "logra/sketch_norm", "logra/measured_kl", "memory/logra_state_mib", "memory/dense_equivalent_mib",
-    "memory/peak_rss_mib",
+    "logra/mismatch_nonfinite_pairs", "logra/sketch_norm", "logra/measured_kl", "memory/logra_state_mib",
+    "memory/dense_equivalent_mib", "memory/peak_rss_mib",
 }
 
 
