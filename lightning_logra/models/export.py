@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
 
-from lightning_logra.models.loading import load_policy, with_lora
+from lightning_logra.models.loading import BUILTIN_MODELS, builtin_model_dir, load_policy, with_lora
 
 POLICY_PREFIX = "policy."  # GRPOModule keeps its policy in ``self.policy``
 DCP_PREFIX = "state_dict."  # the logra_fsdp strategies save the module state under "state_dict"
@@ -68,15 +68,22 @@ def export_checkpoint(
 
     The skeleton is built with ``load_policy`` from the checkpoint's ``model``
     hyper-parameter, or from ``model`` when given (a checkpoint whose model folder moved, or
-    a module that saved no hyper-parameters). Weights keep the checkpoint's dtype. The folder
+        a module that saved no hyper-parameters). Weights keep the checkpoint's dtype. The folder
     is written beside ``out_dir`` and renamed into place, so a failed export leaves nothing
-    that looks complete; an existing non-empty ``out_dir`` is replaced only with ``overwrite``.
+    that looks complete. An existing non-empty ``out_dir`` is written into only with
+    ``overwrite``, and then only the files the export writes are replaced (plus weight files
+    of another layout, which would be loaded with or instead of the new ones); its other
+    files stay. Refused before any work: a symbolic link, a folder holding the checkpoint, and
+    the folder the run built its model from (a later run would load the trained weights as
+    its base model and its KL reference).
     """
     checkpoint = open_checkpoint(Path(ckpt_path))
     out = Path(out_dir)
     _check_destination(out, checkpoint.path, overwrite)
     hyper_parameters = checkpoint.hyper_parameters()
     source = model or _recorded_model(hyper_parameters, checkpoint.path)
+    for read_from in {source, hyper_parameters.get("model")} - {None}:
+        _check_not_a_model_folder(out, str(read_from), hyper_parameters.get("cache_dir"))
     policy, tokenizer = load_policy(source, dtype=checkpoint.dtype(), cache_dir=hyper_parameters.get("cache_dir"))
     lora = hyper_parameters.get("lora")
     if lora is not None:
@@ -229,28 +236,62 @@ def _recorded_model(hyper_parameters: dict[str, Any], path: Path) -> str:
 
 
 def _check_destination(out: Path, checkpoint: Path, overwrite: bool) -> None:
-    """Refuse before any work: a file, a non-empty folder (unless ``overwrite``), or a
-    folder holding the checkpoint itself (replacing it would delete the checkpoint)."""
+    """Refuse before any work: a symbolic link, a file, a non-empty folder (unless
+    ``overwrite``), or a folder holding the checkpoint itself."""
+    if out.is_symlink():
+        raise ValueError(f"--out / out_dir {out} is a symbolic link (to {os.readlink(out)}); pass the folder itself")
     if out.is_file():
         raise FileExistsError(f"--out / out_dir {out} is a file; pass a folder path")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise FileExistsError(f"--out / out_dir {out} exists and is not empty; pass another folder, "
-                                  "or --overwrite / overwrite=True to replace it")
+                                  "or --overwrite / overwrite=True to write the exported files into it")
         if checkpoint.resolve().is_relative_to(out.resolve()):
             raise ValueError(f"--out / out_dir {out} holds the checkpoint {checkpoint}: "
-                             "replacing it would delete the checkpoint")
+                             "writing there could damage the checkpoint")
+
+
+def _check_not_a_model_folder(out: Path, model: str, cache_dir: str | None) -> None:
+    """Refuse to write into the folder a run builds its model from."""
+    folder = builtin_model_dir(model.lower(), cache_dir) if model.lower() in BUILTIN_MODELS else Path(model)
+    if not folder.is_dir():
+        return  # a hub id: the hub's cache is not a place users export to
+    if out.resolve() == folder.resolve():
+        raise ValueError(
+            f"--out / out_dir {out} is where the run reads its model from ({folder}); exporting there would "
+            "replace the base model, and a later run (its kl_coef > 0 reference too) would start from the "
+            "trained weights; pass another folder"
+        )
+
+
+# Files that hold weights: one left from another layout (sharded vs single file,
+# safetensors vs .bin) would be loaded with or instead of the exported weights.
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
 
 
 def _write_folder(out: Path, policy: nn.Module, tokenizer: Any) -> None:
-    """``save_pretrained`` into a sibling folder, renamed into place once complete."""
+    """``save_pretrained`` into a sibling folder, then renamed into place (a new or empty
+    ``out``) or its files moved into ``out`` one by one (``overwrite`` of a non-empty one)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:8]}")
     try:
         policy.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
-        if out.exists():
-            shutil.rmtree(out)
-        partial.rename(out)
+        if out.is_dir() and any(out.iterdir()):
+            _replace_files(partial, out)
+        else:
+            if out.exists():
+                out.rmdir()
+            partial.rename(out)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def _replace_files(written: Path, out: Path) -> None:
+    names = {path.name for path in written.iterdir()}
+    for pattern in WEIGHT_FILES:
+        for stale in out.glob(pattern):
+            if stale.name not in names:
+                stale.unlink()
+    for name in sorted(names):
+        os.replace(written / name, out / name)  # each file atomically; a file of out's own stays

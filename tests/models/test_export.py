@@ -146,13 +146,39 @@ def test_existing_non_empty_out_is_refused_and_left_alone(logra_run, tmp_path):
     assert [path.name for path in (tmp_path / "hf").iterdir()] == ["keep.txt"]
 
 
-def test_overwrite_replaces_an_existing_folder(logra_run, tmp_path):
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "stale.txt").write_text("old")
-    export_checkpoint(logra_run[0], tmp_path / "hf", overwrite=True)
-    assert (tmp_path / "hf" / "config.json").is_file() and not (tmp_path / "hf" / "stale.txt").exists()
+def test_overwrite_replaces_only_the_files_export_writes(logra_run, tmp_path):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "README.md").write_text("mine")
+    (out / "config.json").write_text("{}")
+    for stale in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
+        (out / stale).write_text("weights of another layout")
+    export_checkpoint(logra_run[0], out, overwrite=True)
+    assert (out / "README.md").read_text() == "mine"  # not the export's: left alone
+    assert (out / "config.json").read_text() != "{}"  # the export's: replaced
+    assert sorted(path.name for path in out.glob("*.safetensors*")) == ["model.safetensors"]
+    assert not (out / "pytorch_model.bin").exists()
+    assert torch.equal(exported_logits(out), logra_run[1])
+    assert not list(tmp_path.glob(".hf.export-*"))
+
+
+def test_overwrite_refuses_the_folder_the_run_reads_its_model_from(logra_run, tied_folder, tmp_path):
+    before = {path.name: path.stat().st_mtime_ns for path in Path(tied_folder).iterdir()}
+    with pytest.raises(ValueError, match="where the run reads its model from"):
+        export_checkpoint(logra_run[0], tied_folder, overwrite=True)
+    with pytest.raises(ValueError, match="where the run reads its model from"):  # also when --model names another
+        export_checkpoint(logra_run[0], Path(tied_folder) / ".", overwrite=True, model=str(tmp_path))
+    assert {path.name: path.stat().st_mtime_ns for path in Path(tied_folder).iterdir()} == before
+
+
+def test_a_symlinked_out_is_refused_before_any_work(logra_run, tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(SystemExit, match="symbolic link"):
+        main(["export", "--ckpt_path", str(logra_run[0]), "--out", str(tmp_path / "link"), "--overwrite"])
+    assert not any((tmp_path / "real").iterdir())
 
 
 def test_overwrite_refuses_a_folder_that_holds_the_checkpoint(logra_run):
-    with pytest.raises(ValueError, match="would delete the checkpoint"):
+    with pytest.raises(ValueError, match="could damage the checkpoint"):
         export_checkpoint(logra_run[0], logra_run[0].parent, overwrite=True)
