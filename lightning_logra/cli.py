@@ -7,6 +7,7 @@ LightningCLI, which knows only Trainer methods as subcommands."""
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib
 import os
 import sys
@@ -19,6 +20,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 import lightning_logra  # noqa: F401  (registers the "logra_fsdp" strategy name)
@@ -34,26 +36,87 @@ def default_tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('mlflow.db').absolute()}"
 
 
+def create_sqlite_store(tracking_uri: str) -> None:
+    """Create an MLflow SQLite store (its schema) once, under a file lock beside it: every
+    process of a multi-node launch builds the logger, and two processes creating the schema
+    at once fail ("duplicate column name"). Other stores are left to MLflow."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return
+    from mlflow import MlflowClient  # on use: --help stays light
+
+    database = Path(tracking_uri.removeprefix("sqlite:///"))
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with open(database.with_name(database.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        MlflowClient(tracking_uri).search_experiments(max_results=1)
+
+
 class MLflowConfigCallback(SaveConfigCallback):
     """Saves the resolved config into the run's log folder (or the Trainer's root folder
     when the logger has none, as MLflow with a database store), and into every MLflow run:
-    flattened as params, and the YAML file as an artifact."""
+    flattened as params, and the YAML file as an artifact.
+
+    Params describe the run, not how it was launched: ``ckpt_path``, the config files'
+    paths and ``--print_config`` are left out, so resuming into the same MLflow run
+    (``run_id``) logs nothing new. MLflow keeps a param's first value: a resume that
+    changes one (e.g. ``trainer.max_steps``) warns, naming each, and the artifact holds
+    the latest YAML."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **{**kwargs, "save_to_log_dir": False})
+        self._folder: Path | None = None
 
+    @override
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if not self.already_saved:  # the same on every rank: Lightning broadcasts it after each save
+            # trainer.log_dir is a broadcast that every rank must join, while Lightning calls
+            # save_config on rank 0 only: read it here, on every rank, or the ranks hang.
+            self._folder = Path(trainer.log_dir or trainer.default_root_dir)
+        super().setup(trainer, pl_module, stage)
+
+    @override
     def save_config(self, trainer, pl_module, stage: str) -> None:
         text = self.parser.dump(self.config, skip_none=False)
-        folder = Path(trainer.log_dir or trainer.default_root_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / self.config_filename).write_text(text)
+        assert self._folder is not None, "setup reads the log folder before Lightning calls save_config"
+        self._folder.mkdir(parents=True, exist_ok=True)
+        (self._folder / self.config_filename).write_text(text)
+        params = _flat_params({key: value for key, value in self.config.as_dict().items() if key not in LAUNCH_KEYS})
         for logger in trainer.loggers:
             if isinstance(logger, MLFlowLogger):
-                logger.log_hyperparams(self.config.as_dict())
+                logger.log_hyperparams(_new_params(logger, params))
                 with tempfile.TemporaryDirectory() as scratch:
                     path = Path(scratch) / self.config_filename
                     path.write_text(text)
                     logger.experiment.log_artifact(logger.run_id, str(path))
+
+
+# How a run was launched (the subcommand's own arguments), not what it is.
+LAUNCH_KEYS = frozenset({"config", "ckpt_path", "print_config"})
+MLFLOW_PARAM_CHARS = 250  # what Lightning's MLFlowLogger keeps of a value
+
+
+def _flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"trainer/max_steps": "2", ...}``: nested dicts flattened with "/" and values as
+    the strings MLflow stores, as Lightning's MLFlowLogger writes them."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flat_params(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = str(value)[:MLFLOW_PARAM_CHARS]
+    return flat
+
+
+def _new_params(logger: MLFlowLogger, params: dict[str, str]) -> dict[str, str]:
+    """The params the MLflow run does not hold yet; those it holds with another value
+    (a resume with changed settings) are reported, as MLflow refuses to change them."""
+    logged = logger.experiment.get_run(logger.run_id).data.params
+    changed = [f"{key}: {logged[key]} -> {value}" for key, value in params.items()
+               if key in logged and logged[key] != value]
+    if changed:
+        rank_zero_warn(f"MLflow run {logger.run_id} keeps the first value of each param; this run changed "
+                       f"{len(changed)}: " + "; ".join(changed) + "; the config artifact holds the new values")
+    return {key: value for key, value in params.items() if key not in logged}
 
 
 # (Trainer flag, the kind of callback it switches, what the CLI adds when none is listed)
@@ -75,8 +138,9 @@ class LoGRACLI(LightningCLI):
         for logger in _as_list(trainer.get("logger")):
             if _class_path(logger) == MLFLOW_LOGGER:
                 init_args = logger["init_args"]
-                if not init_args.get("tracking_uri") or str(init_args["tracking_uri"]).startswith("file:"):
+                if not init_args.get("tracking_uri"):  # an explicit one, file: included, is the user's choice
                     init_args["tracking_uri"] = default_tracking_uri()
+                create_sqlite_store(str(init_args["tracking_uri"]))
         callbacks = _as_list(trainer.get("callbacks"))
         listed = [_import(_class_path(callback)) for callback in callbacks if _class_path(callback)]
         for flag, kind, class_path in DEFAULT_CALLBACKS:

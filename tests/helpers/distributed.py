@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, port: int, lightning: bool, function, args, r
 def _run(lightning: bool, function, args) -> list:
     manager = mp.get_context("spawn").Manager()
     results = manager.dict()
-    mp.start_processes(_worker, args=(2, _free_port(), lightning, function, args, results), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(2, free_port(), lightning, function, args, results), nprocs=2, start_method="spawn")
     values = []
     for rank in range(2):
         status, value = results[rank]
