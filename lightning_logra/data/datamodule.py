@@ -1,8 +1,10 @@
 """LightningDataModule of RL prompts: rows -> chat-formatted prompt texts plus the row's columns."""
 
 import itertools
+import math
 from pathlib import Path
 
+import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -43,8 +45,13 @@ class PromptDataModule(LightningDataModule):
     which the math reward reduces to N).
 
     Training order is a seeded shuffle per epoch, split across ranks (a
-    ``DistributedSampler``). The train loader's position is saved in Trainer checkpoints,
-    so a fit resumed mid-epoch continues that epoch's order where the checkpoint left it.
+    ``DistributedSampler``). Every train batch is full: the rows left over at the end of an
+    epoch's share, fewer than ``batch_size``, are dropped for that epoch (``drop_last``; a
+    later epoch's shuffle trains them), so a step always has ``batch_size`` prompts for
+    ``mini_batches`` to divide. A train set smaller than one batch on each rank is refused.
+    The train loader's position, the count of the epoch's rows consumed by all ranks
+    together, is saved in Trainer checkpoints, so a fit resumed mid-epoch, on as many ranks
+    or not, continues that epoch's order where the checkpoint left it.
 
     Args:
         tokenizer: the tokenizer (or its hub id, folder or built-in name, loaded at setup)
@@ -120,12 +127,36 @@ class PromptDataModule(LightningDataModule):
         trainer = self.trainer
         world_size, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
         sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, seed=self.seed)
-        return ResumableLoader(dataset, trainer=trainer, **self._loader_args(sampler))
+        if sampler.num_samples < self.batch_size:
+            raise ValueError(f"{self.sources['train'][0]}: {len(dataset)} usable train rows make {sampler.num_samples} "
+                             f"per rank on {world_size} rank(s), fewer than batch_size = {self.batch_size}: not one "
+                             "full batch to train on")
+        return ResumableLoader(dataset, trainer=trainer, drop_last=True, **self._loader_args(sampler))
 
     def val_dataloader(self) -> DataLoader | list:
         if "val" not in self.datasets:
             return []  # no val source: Lightning skips validation
         return DataLoader(self.datasets["val"], **self._loader_args(sampler=None))
+
+    def drop_long_prompts(self, max_tokens: int, tokenizer, reason: str) -> None:
+        """Drop the set-up rows whose rendered prompt is longer than ``max_tokens`` tokens of
+        ``tokenizer`` (counted as a rollout engine encodes it), counted in ``skipped`` with
+        those over ``max_prompt_tokens``. ``reason`` says where the limit comes from, for the
+        warning. A training module calls this at setup, e.g. for its model's positions."""
+        for split, dataset in list(self.datasets.items()):
+            lengths = [len(ids) for ids in tokenizer(dataset.prompt_texts)["input_ids"]]
+            keep = [length <= max_tokens for length in lengths]
+            too_long = keep.count(False)
+            if not too_long:
+                continue
+            name = self.sources[split][0]
+            if too_long == len(keep):
+                raise ValueError(f"{name}: every {split} prompt is longer than {max_tokens} tokens ({reason}); "
+                                 f"the shortest has {min(lengths)}")
+            self.datasets[split] = PromptDataset(list(itertools.compress(dataset.prompt_texts, keep)),
+                                                 list(itertools.compress(dataset.columns, keep)))
+            self.skipped[split]["too_long"] += too_long
+            rank_zero_warn(f"{name}: skipped {too_long} {split} prompts longer than {max_tokens} tokens ({reason})")
 
     def render_prompt(self, row: dict) -> str:
         """The text to generate from: the row's chat, with ``instruction`` and ``system_prompt``."""
@@ -246,44 +277,82 @@ def collate_prompts(items: list[dict]) -> dict[str, list]:
 
 class ResumableSampler(DistributedSampler):
     """A shuffling ``DistributedSampler`` (order fixed by ``seed`` and the epoch) that can start
-    an epoch ``start`` rows into this rank's share. Being a ``DistributedSampler``, Lightning
-    uses it as is and calls its ``set_epoch``.
+    an epoch after its first ``consumed`` rows, counted over all ranks: the rest of the
+    epoch's order is split across however many ranks there are now, so a run resumed on
+    fewer or more ranks trains each row of the epoch once. Being a ``DistributedSampler``,
+    Lightning uses it as is and calls its ``set_epoch``.
     """
 
     def __init__(self, dataset: Dataset, *, num_replicas: int, rank: int, seed: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
-        self.start = 0
+        self.consumed = 0
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self.start = 0  # a new epoch starts from its beginning
+            self.consumed = 0  # a new epoch starts from its beginning
         super().set_epoch(epoch)
 
+    def remaining_per_rank(self) -> int:
+        """This rank's share of the epoch's rows after ``consumed`` (what ``__iter__`` yields)."""
+        return math.ceil(max(len(self.dataset) - self.consumed, 0) / self.num_replicas)
+
     def __iter__(self):
-        # len() stays the full share: Lightning counts a resumed epoch's batches from
-        # its restored progress, expecting the loader to yield only the remaining ones.
-        return itertools.islice(super().__iter__(), self.start, None)
+        # DistributedSampler's permutation and padding (repeating the first rows to a
+        # multiple of the ranks), applied to what is left of the epoch.
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        remaining = torch.randperm(len(self.dataset), generator=generator).tolist()[self.consumed:]
+        total = self.remaining_per_rank() * self.num_replicas
+        while remaining and len(remaining) < total:
+            remaining += remaining[: total - len(remaining)]
+        return iter(remaining[self.rank : total : self.num_replicas])
 
 
 class ResumableLoader(DataLoader):
     """A train loader that Lightning checkpoints with the fit loop (it has ``state_dict`` /
     ``load_state_dict``) and restores before iterating.
 
-    The state is the epoch and how many of this rank's rows of it were trained on, read
-    from the Trainer's progress (batches whose training step finished), which unlike the
-    loader's own count is not ahead by Lightning's prefetched batch.
+    The state is the epoch, how many of its rows all ranks together trained on, and
+    Lightning's count of the epoch's batches (``batches``). Rows are counted from the
+    Trainer's progress (batches whose training step finished), which unlike the loader's
+    own count is not ahead by Lightning's prefetched batch. States of older versions,
+    ``{"epoch", "start"}`` with ``start`` rows per rank, are read as written by as many
+    ranks as there are now.
     """
 
     def __init__(self, dataset: Dataset, *, trainer, **kwargs) -> None:
         super().__init__(dataset, **kwargs)
         self.trainer = trainer
+        # (epoch, rows, batches) the fit resumed from: the rows of the batches Lightning
+        # counted before the resume were consumed on the ranks of the saved run.
+        self.resumed_at = (0, 0, 0)
 
     def state_dict(self) -> dict[str, int]:
         if self.trainer is None:
             raise RuntimeError("the loader's position comes from a Lightning Trainer's progress; none is attached")
-        processed = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return {"epoch": self.trainer.current_epoch, "start": processed * self.batch_size}
+        epoch = self.trainer.current_epoch
+        batches = self._batch_progress().processed
+        resumed_epoch, rows, resumed_batches = self.resumed_at
+        if resumed_epoch != epoch:
+            rows, resumed_batches = 0, 0
+        rows += (batches - resumed_batches) * self.batch_size * self.sampler.num_replicas
+        return {"epoch": epoch, "rows": rows, "batches": batches}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if "rows" in state:
+            rows, batches = state["rows"], state["batches"]
+        else:
+            rows, batches = state["start"] * self.sampler.num_replicas, state["start"] // self.batch_size
         self.sampler.set_epoch(state["epoch"])
-        self.sampler.start = state["start"]
+        self.sampler.consumed = rows
+        # Lightning ends the epoch after len(self) batches counting those it restored; on
+        # another number of ranks the rows left make a different number of batches, so the
+        # restored count becomes the batches this epoch would have had before them.
+        done = len(self) - self.sampler.remaining_per_rank() // self.batch_size
+        if self.trainer is not None:
+            progress = self._batch_progress()
+            for counter in ("ready", "started", "processed", "completed"):
+                setattr(progress, counter, getattr(progress, counter) + done - batches)
+        self.resumed_at = (state["epoch"], rows, done)
+
+    def _batch_progress(self):
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current

@@ -21,10 +21,12 @@ from torchmetrics import MeanMetric
 
 from lightning_logra.core.reliability import memory_phase
 from lightning_logra.core.validation import FieldChecks, deprecated_attributes, renamed_field
+from lightning_logra.data import PromptDataModule
 from lightning_logra.hooks import LoGRAStepInputs, last_step_report
 from lightning_logra.models import enable_activation_checkpointing, load_policy, with_lora
 from lightning_logra.modules.completions import completion_table, log_completion_table
-from lightning_logra.rewards.runner import RewardRunner
+from lightning_logra.modules.prompt_checks import check_answer_column, drop_prompts_past_positions, warn_if_unscored
+from lightning_logra.rewards.runner import RewardRunner, RewardScores
 from lightning_logra.rollout.base import RolloutEngine
 from lightning_logra.rl.batch import BACKWARD_HINT, MicroBatching, RolloutBatch, backward_micro_batches
 from lightning_logra.rl.collectives import any_rank, gather_ranks
@@ -66,6 +68,12 @@ class GRPOModule(L.LightningModule):
     (whole prompt groups per mini-batch; ``max_steps`` counts optimizer steps). Every
     ``log_completions_every`` training steps (0: never) ``log_completions_count`` samples go
     to the loggers as a table.
+
+    When the fit starts, a ``PromptDataModule``'s data is checked against the module: with
+    the built-in math reward a split without any ``answer`` is refused, and prompts that leave
+    fewer than ``rollout.max_new_tokens`` of the model's positions are dropped and counted
+    (see ``lightning_logra.modules.prompt_checks``). A batch that no reward function scored
+    warns once.
 
     Integer and number arguments are checked like the config dataclasses' fields
     (``GRPOModule.<argument> = <value> is invalid: must be ...``). ``logprob_chunk_size`` is
@@ -171,6 +179,7 @@ class GRPOModule(L.LightningModule):
         self.val_pass_at_n = MeanMetric()
         self._engine = None
         self._empty_updates_in_a_row = 0
+        self._warned_unscored = False
         # The update whose optimizer step is running: what logra_step_inputs() reads.
         self._stepping: tuple[RolloutBatch, slice, torch.Tensor] | None = None
         self._low_rank_updates: list[list] = []
@@ -196,6 +205,14 @@ class GRPOModule(L.LightningModule):
             logprob_pairs=batch.logprob_pairs(rows, trainer_logprobs),
             record_low_rank=self.rollout_config.weight_sync == "lowrank",
         )
+
+    def setup(self, stage: str) -> None:
+        """Check a ``PromptDataModule``'s prompts against the rewards and the model (Lightning
+        has set the data module up by now; its loaders are built after)."""
+        data = self.trainer.datamodule
+        if isinstance(data, PromptDataModule):
+            check_answer_column(data, self.reward_runner)
+            drop_prompts_past_positions(data, self.policy, self.tokenizer, self.rollout_config.max_new_tokens)
 
     # Training ---------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
@@ -345,6 +362,7 @@ class GRPOModule(L.LightningModule):
             rollouts = self.engine.generate(batch["prompt_text"], num_generations=config.num_generations)
         phases.lap("generation")
         scores, columns = score_rollouts(self.reward_runner, rollouts, batch, config.num_generations)
+        self._warn_if_unscored(scores, columns)
         rewards = torch.tensor(scores.total, dtype=torch.float32, device=self.device)
         loss = self.loss_config
         if loss.overlong_buffer:
@@ -352,6 +370,10 @@ class GRPOModule(L.LightningModule):
             rewards = rewards + overlong_penalty(lengths, config.max_new_tokens, loss.overlong_buffer, loss.overlong_penalty)
         phases.lap("rewards")
         return ScoredRollouts(rollouts, columns, scores, rewards)
+
+    def _warn_if_unscored(self, scores: RewardScores, columns: dict[str, list]) -> None:
+        if not self._warned_unscored:  # once: data that causes it causes it at every step
+            self._warned_unscored = warn_if_unscored(scores, columns, self.reward_runner)
 
     def _more_prompts(self, round_: int, count: int) -> dict[str, list]:
         """Further prompts for dynamic sampling: a resumed run draws the same ones."""
@@ -397,7 +419,8 @@ class GRPOModule(L.LightningModule):
         n = config.val_generations
         torch.manual_seed(sampling_seed(self.seed + 1, batch_idx, self.global_rank))
         rollouts = self.engine.generate(batch["prompt_text"], num_generations=n, temperature=config.val_temperature, top_p=config.val_top_p)
-        scores, _ = score_rollouts(self.reward_runner, rollouts, batch, n)
+        scores, columns = score_rollouts(self.reward_runner, rollouts, batch, n)
+        self._warn_if_unscored(scores, columns)
         correct = (torch.tensor(scores.total, device=self.device) > 0).float().view(-1, n)
         self.val_pass_at_1.update(correct.mean(dim=1))
         self.val_pass_at_n.update(correct.amax(dim=1))  # unbiased pass@k with k = n

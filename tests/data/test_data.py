@@ -1,23 +1,23 @@
 import importlib.util
 import json
 import re
+from types import SimpleNamespace
 
-import lightning as L
 import pyarrow
 import pyarrow.parquet
 import pytest
-import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_logra.data import (
     PromptDataModule,
     collate_prompts,
+    ResumableLoader,
     ResumableSampler,
     arithmetic_rows,
     read_rows,
     reasoning_gym_rows,
     validate_rows,
 )
+from tests.helpers.data import fit_prompts
 from tests.helpers.models import byte_tokenizer
 
 GOOD_ROWS = [
@@ -187,41 +187,79 @@ def test_resumable_sampler_splits_ranks_and_starts_part_way():
     shares = [list(ResumableSampler(dataset, num_replicas=2, rank=r, seed=7)) for r in (0, 1)]
     assert sorted(shares[0] + shares[1]) == dataset
     sampler = ResumableSampler(dataset, num_replicas=2, rank=1, seed=7)
-    sampler.start = 2
+    sampler.consumed = 4  # rows of both ranks: 2 each
     assert list(sampler) == shares[1][2:]
     sampler.set_epoch(1)
-    assert sampler.start == 0
+    assert sampler.consumed == 0
 
 
-class PromptRecorder(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.seen = []
+def test_resumable_sampler_continues_an_epoch_on_another_number_of_ranks():
+    dataset = list(range(12))
+    two_ranks = [list(ResumableSampler(dataset, num_replicas=2, rank=rank, seed=7)) for rank in (0, 1)]
+    one_rank = ResumableSampler(dataset, num_replicas=1, rank=0, seed=7)
+    one_rank.consumed = 8  # 2 batches of 2 on each of 2 ranks
+    assert sorted(two_ranks[0][:4] + two_ranks[1][:4] + list(one_rank)) == dataset
+    whole_epoch = list(ResumableSampler(dataset, num_replicas=1, rank=0, seed=7))
+    rest = []
+    for rank in (0, 1):
+        sampler = ResumableSampler(dataset, num_replicas=2, rank=rank, seed=7)
+        sampler.consumed = 6  # 3 batches of 2 on one rank
+        rest += list(sampler)
+    assert sorted(whole_epoch[:6] + rest) == dataset
 
-    def training_step(self, batch, batch_idx):
-        self.seen.append(batch["prompt_text"])
-        return self.weight.square().sum()
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+def stub_trainer(processed: int, epoch: int = 0):
+    """What ResumableLoader reads of a Trainer: the epoch and its batch progress."""
+    progress = SimpleNamespace(ready=processed, started=processed, processed=processed, completed=processed - 1)
+    epoch_loop = SimpleNamespace(batch_progress=SimpleNamespace(current=progress))
+    return SimpleNamespace(current_epoch=epoch, fit_loop=SimpleNamespace(epoch_loop=epoch_loop))
 
 
-def fit_prompts(tmp_path, max_steps, ckpt_path=None):
-    recorder = PromptRecorder()
-    trainer = L.Trainer(
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)],
-    )
-    trainer.fit(recorder, datamodule=PromptDataModule("arithmetic", batch_size=2, train_size=9), ckpt_path=ckpt_path)
-    return recorder.seen
+def one_rank_loader(trainer, rows=16):
+    data = PromptDataModule("arithmetic", batch_size=2, train_size=rows)
+    data.setup("fit")
+    sampler = ResumableSampler(data.datasets["train"], num_replicas=1, rank=0, seed=0)
+    return ResumableLoader(data.datasets["train"], trainer=trainer, batch_size=2, sampler=sampler, drop_last=True)
+
+
+def test_loader_state_counts_the_rows_of_all_ranks_across_a_change_of_rank_count():
+    trainer = stub_trainer(processed=2)
+    loader = one_rank_loader(trainer)
+    loader.load_state_dict({"epoch": 0, "rows": 8, "batches": 2})  # 2 batches of 2 on each of 2 ranks
+    # 8 rows left make 4 of this rank's 8 batches: Lightning counts the other 4 as done.
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    assert (progress.ready, progress.started, progress.processed, progress.completed) == (4, 4, 4, 3)
+    assert len(list(loader)) == 4
+    progress.processed = 5  # one batch of 2 rows trained since the resume
+    assert loader.state_dict() == {"epoch": 0, "rows": 10, "batches": 5}
+    trainer.current_epoch, progress.processed = 1, 1  # a new epoch counts from its start
+    assert loader.state_dict() == {"epoch": 1, "rows": 2, "batches": 1}
+
+
+def test_loader_reads_a_per_rank_state_of_older_versions():
+    loader = one_rank_loader(stub_trainer(processed=3))
+    loader.load_state_dict({"epoch": 0, "start": 6})
+    assert loader.sampler.consumed == 6 and len(list(loader)) == 5
+
+
+def test_train_batches_are_all_full_the_rows_left_over_are_dropped():
+    data = PromptDataModule("arithmetic", batch_size=2, train_size=5)
+    data.setup("fit")
+    loader = data.train_dataloader()
+    assert [len(batch["prompt_text"]) for batch in loader] == [2, 2] and len(loader) == 2
+
+
+def test_a_train_set_smaller_than_one_batch_is_refused():
+    data = PromptDataModule("arithmetic", batch_size=4, train_size=3)
+    data.setup("fit")
+    with pytest.raises(ValueError, match=r"arithmetic: 3 usable train rows make 3 per rank on 1 rank\(s\), fewer "
+                                         r"than batch_size = 4"):
+        data.train_dataloader()
 
 
 def test_fit_resumed_mid_epoch_continues_the_same_order(tmp_path):
-    # 9 rows in batches of 2: 5 steps per epoch. Checkpoints at steps 3 (mid epoch 0) and 6 (mid epoch 1).
+    # 9 rows in batches of 2: 4 steps per epoch (the ninth row dropped). Checkpoints at steps 3 (mid epoch 0)
+    # and 6 (mid epoch 1).
     full = fit_prompts(tmp_path / "full", max_steps=8)
     assert fit_prompts(tmp_path / "a", 8, ckpt_path=tmp_path / "full" / "epoch=0-step=3.ckpt") == full[3:]
     assert fit_prompts(tmp_path / "b", 8, ckpt_path=tmp_path / "full" / "epoch=1-step=6.ckpt") == full[6:]

@@ -44,6 +44,11 @@ def recording_reward(completions, **kwargs):
     return [0.5] * len(completions)
 
 
+def answer_reward(completions, answer, **kwargs):
+    """Scores only rows with a reference answer (None for the others)."""
+    return [None if a is None else 1.0 for a in answer]
+
+
 def zero_reward(completions, **kwargs):
     return [0.0] * len(completions)
 
@@ -71,22 +76,26 @@ def prompt_data(folder, batch_size=2) -> PromptDataModule:
                             train_size=16, val_size=4)
 
 
-def fit_grpo(grpo, folder, steps=2, strategy="auto", loggers=False, data_options=None, callbacks=(), devices=1):
-    """Fit; returns the trainer and the metrics logged at every training batch."""
+def fit_grpo(grpo, folder, steps=2, strategy="auto", loggers=False, data_options=None, callbacks=(), devices=1,
+             caught_warnings=None):
+    """Fit; returns the trainer and the metrics logged at every training batch. The fit's
+    warnings are ignored, or appended to ``caught_warnings`` when it is a list."""
     logged = []
 
     class Capture(L.Callback):
         def on_train_batch_end(self, trainer, *args):
             logged.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
-    data = PromptDataModule(train="arithmetic", val="arithmetic", tokenizer=folder, batch_size=2, train_size=16,
-                            val_size=4, **(data_options or {}))
+    options = dict(train="arithmetic", val="arithmetic", tokenizer=folder, batch_size=2, train_size=16, val_size=4)
+    data = PromptDataModule(**{**options, **(data_options or {})})
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=loggers,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, callbacks=[Capture(), *callbacks])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("ignore" if caught_warnings is None else "always")
         trainer.fit(grpo, data)
+    if caught_warnings is not None:
+        caught_warnings.extend(caught)
     return trainer, logged
 
 

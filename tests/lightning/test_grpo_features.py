@@ -11,7 +11,9 @@ import torch
 from lightning.pytorch.loggers import Logger, MLFlowLogger
 
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
+from lightning_logra.data import PromptDataModule
 from lightning_logra.modules import LossConfig, RolloutConfig
+from lightning_logra.rewards.runner import RewardWarning
 from tests.helpers.grpo import SEEN, fit_grpo, grpo_module, rewards
 from tests.helpers.lightning import record_step_inputs
 from tests.helpers.models import favour_token
@@ -189,3 +191,53 @@ def test_completion_tables_go_to_mlflow_and_table_loggers(model_folder, tmp_path
     local = mlflow_logger.experiment.download_artifacts(mlflow_logger.run_id, "completions/step_000000.json", str(tmp_path))
     table = json.loads(Path(local).read_text())
     assert table["columns"] == columns and len(table["data"]) == 3
+
+
+NO_ANSWERS = {"field_map": {"answer": "solution"}}  # the reference answers land in another column
+
+
+def test_the_math_reward_refuses_data_without_answers_naming_the_column_and_field_map(model_folder):
+    grpo = grpo_module(model_folder, rewards=None)  # the built-in math reward
+    with pytest.raises(ValueError, match=r"arithmetic: no train row has an 'answer' column, which the built-in math "
+                                         r"reward compares completions with: .* field_map"):
+        fit_grpo(grpo, model_folder, steps=1, data_options=NO_ANSWERS)
+
+
+def test_a_batch_no_reward_function_scores_warns_once_naming_the_empty_column(model_folder):
+    caught = []
+    fit_grpo(grpo_module(model_folder, rewards=rewards("answer_reward")), model_folder, steps=2,
+             data_options=NO_ANSWERS, caught_warnings=caught)
+    unscored = [str(w.message) for w in caught if issubclass(w.category, RewardWarning)]
+    assert len(unscored) == 1
+    assert unscored[0].startswith("no reward function (answer_reward) scored any of the 4 samples of a batch")
+    assert "the columns ['answer'] are None in every row" in unscored[0]
+
+
+def test_prompts_past_the_models_positions_are_skipped_and_counted(model_folder, tmp_path):
+    short_row, long_row = {"prompt": "What is 1 + 2?", "answer": "3"}, {"prompt": "What is " + "1 + " * 9 + "1?"}
+    rows = [short_row] * 4 + [long_row] * 2
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data = PromptDataModule(train=tmp_path / "rows.jsonl", tokenizer=model_folder)
+    data.setup("fit")
+    short, _ = sorted({len(ids) for ids in data.tokenizer(data.datasets["train"].prompt_texts)["input_ids"]})
+    grpo = grpo_module(model_folder)  # max_new_tokens 6
+    grpo.policy.config.max_position_embeddings = short + 6
+    trainer, _ = fit_grpo(grpo, model_folder, steps=1, data_options={"train": tmp_path / "rows.jsonl", "val": None})
+    assert trainer.datamodule.skipped["train"]["too_long"] == 2
+    assert trainer.datamodule.datasets["train"].prompt_texts == data.datasets["train"].prompt_texts[:4]
+
+
+def test_data_whose_every_prompt_is_past_the_models_positions_is_refused(model_folder):
+    grpo = grpo_module(model_folder)
+    grpo.policy.config.max_position_embeddings = 20  # 14 for a prompt; the shortest arithmetic one is 34 here
+    with pytest.raises(ValueError, match=r"arithmetic: every train prompt is longer than 14 tokens \(the model's 20 "
+                                         r"positions less rollout.max_new_tokens = 6\); the shortest has 3\d"):
+        fit_grpo(grpo, model_folder, steps=1)
+
+
+def test_max_new_tokens_filling_the_models_positions_is_refused(model_folder):
+    grpo = grpo_module(model_folder)
+    grpo.policy.config.max_position_embeddings = 6
+    with pytest.raises(ValueError, match=r"rollout.max_new_tokens = 6 leaves no room for a prompt in the model's 6 "
+                                         r"positions"):
+        fit_grpo(grpo, model_folder, steps=1)
