@@ -39,9 +39,18 @@ def odd_answer_reward(completions, answer, **kwargs):
     return [sum(map(ord, str(c))) % 7 / 7 if int(a) % 2 else 0.0 for c, a in zip(completions, answer)]
 
 
-def recording_reward(completions, **kwargs):
-    SEEN.update(completions=completions, **kwargs)
-    return [0.5] * len(completions)
+class _RecordingReward:
+    """A reward with state: a callable object, so that RewardRunner runs it in a thread of
+    this process (a plain function runs in a worker process, where SEEN would not be ours)."""
+
+    __name__ = "recording_reward"
+
+    def __call__(self, completions, **kwargs):
+        SEEN.update(completions=completions, **kwargs)
+        return [0.5] * len(completions)
+
+
+recording_reward = _RecordingReward()
 
 
 def zero_reward(completions, **kwargs):
@@ -71,8 +80,10 @@ def prompt_data(folder, batch_size=2) -> PromptDataModule:
                             train_size=16, val_size=4)
 
 
-def fit_grpo(grpo, folder, steps=2, strategy="auto", loggers=False, data_options=None, callbacks=(), devices=1):
-    """Fit; returns the trainer and the metrics logged at every training batch."""
+def fit_grpo(grpo, folder, steps=2, strategy="auto", loggers=False, data_options=None, callbacks=(), devices=1,
+             caught_warnings=None):
+    """Fit; returns the trainer and the metrics logged at every training batch. The fit's
+    warnings are dropped, or appended to ``caught_warnings`` when given."""
     logged = []
 
     class Capture(L.Callback):
@@ -84,9 +95,11 @@ def fit_grpo(grpo, folder, steps=2, strategy="auto", loggers=False, data_options
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=loggers,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, callbacks=[Capture(), *callbacks])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("ignore" if caught_warnings is None else "always")
         trainer.fit(grpo, data)
+    if caught_warnings is not None:
+        caught_warnings.extend(caught)
     return trainer, logged
 
 
