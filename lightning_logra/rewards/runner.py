@@ -132,14 +132,15 @@ class RewardRunner:
         checked = {name: results[name] for name in self.names}
         for name, result in checked.items():
             if result.failed:
-                self._report(name, result.kind, result.problem, len(result.failed), len(completions))
+                self._report((name, result.kind), f"reward function {name!r} {result.problem}", len(result.failed),
+                             len(completions))
         self._count_timeouts(checked)
         scores, overflowed = _combine(checked, self.weights, len(completions))
         if overflowed:
             index, total = overflowed[0]
-            problem = (f"gave sample {index} the weighted total {total!r}, not finite in float32 "
-                       f"(|x| <= {FLOAT32_MAX:.4g})")
-            self._report("weighted sum", "total", problem, len(overflowed), len(completions))
+            problem = (f"the weighted sum of the reward functions gave sample {index} the total {total!r}, "
+                       f"not finite in float32 (|x| <= {FLOAT32_MAX:.4g})")
+            self._report(("", "total"), problem, len(overflowed), len(completions))
         return scores
 
     def start(self) -> None:
@@ -185,17 +186,16 @@ class RewardRunner:
                 raise RuntimeError(
                     f"reward function {name!r} did not return within timeout_s={self.timeout_s} s on "
                     f"{self._timeouts_in_a_row[name]} batches in a row (max_consecutive_timeouts="
-                    f"{self.max_consecutive_timeouts}); a hung thread or event loop is left behind each time: "
-                    "fix or speed up the function, or raise the timeout")
+                    f"{self.max_consecutive_timeouts}); run in a thread or an event loop, a hung function is "
+                    "left behind each time: fix or speed up the function, or raise the timeout")
 
-    def _report(self, name: str, kind: str, problem: str, failed: int, size: int) -> None:
-        if (name, kind) in self._reported:
+    def _report(self, key: tuple[str, str], problem: str, failed: int, size: int) -> None:
+        """Warn about the first failure of each (function, kind) key; later ones are only counted."""
+        if key in self._reported:
             return
-        self._reported.add((name, kind))
+        self._reported.add(key)
         share = "its" if failed == size else f"{failed} of its"
-        subject = f"reward function {name!r}" if name != "weighted sum" else "the weighted sum of the reward functions"
-        message = f"{subject} {problem}; {share} {size} scores count as 0"
-        warnings.warn(message, RewardWarning, stacklevel=3)
+        warnings.warn(f"{problem}; {share} {size} scores count as 0", RewardWarning, stacklevel=3)
 
 
 class _AsyncBatch:

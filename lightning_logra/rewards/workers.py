@@ -10,8 +10,9 @@ a closure, a function defined in ``__main__`` or a notebook, a callable object w
 a ``functools.partial``) runs in a daemon thread, which a timeout abandons but cannot stop.
 
 The output is materialised and converted to floats where the function ran, under the same
-timeout: a generator that raises or never ends, an int too large for a float or a score
-outside float32's range is the function's failure, never the caller's.
+timeout: a generator that raises or never ends (read up to one score too many), an int too
+large for a float or a score outside float32's range is the function's failure, never the
+caller's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import itertools
 import math
 import multiprocessing
 import numbers
@@ -71,11 +73,12 @@ def read_output(output: object, size: int) -> Checked:
     """Validate an output: a whole batch is lost to a wrong-shaped output or to an error while
     reading it; a single score to a value that is neither a number finite in float32 nor None."""
     try:
-        values = _as_list(output)
+        values = _as_list(output, size)
         if values is None:
             return lost(size, "type", f"returned {type(output).__name__}, expected a list of {size} scores")
         if len(values) != size:
-            return lost(size, "length", f"returned {len(values)} scores for {size} completions")
+            count = len(values) if hasattr(output, "__len__") else f"more than {size}"
+            return lost(size, "length", f"returned {count} scores for {size} completions")
         scores = [_as_score(value) for value in values]
     except BaseException as error:  # noqa: BLE001 - a generator's or a number's own code
         kind = f"raised {type(error).__name__} while its output was read"
@@ -91,16 +94,17 @@ def read_output(output: object, size: int) -> Checked:
 _BAD = object()  # marks a score that is neither a number finite in float32 nor None
 
 
-def _as_list(output) -> list | None:
+def _as_list(output, size: int) -> list | None:
     """The output's elements (a list, tuple, generator, array or tensor), or None if it is
-    not iterable."""
+    not iterable. Of an iterator without a length, ``size + 1`` at most: enough to tell that
+    it is too long, and an endless generator ends there."""
     if isinstance(output, (str, bytes, dict)):
         return None
     try:
         iterator = iter(output)
     except TypeError:
         return None
-    return list(iterator)
+    return list(iterator) if hasattr(output, "__len__") else list(itertools.islice(iterator, size + 1))
 
 
 def _as_score(value):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_logra.rewards import RewardWarning
+from lightning_logra.rl.losses import NonFiniteRewards
 from tests.helpers.grpo import fit_grpo, grpo_module, rewards
 
 CHAOS = ["hanging_reward", "gil_holding_reward", "raising_reward", "wrong_length_reward", "nan_reward",
@@ -37,3 +38,12 @@ def test_reward_functions_that_keep_timing_out_stop_the_run(model_folder):
     grpo.reward_runner.start()
     with pytest.raises(RuntimeError, match=r"'hanging_reward' did not return within timeout_s=1.0 s on 2 batches"):
         fit_grpo(grpo, model_folder, steps=3)
+
+
+def test_rewards_whose_advantages_overflow_stop_the_step_naming_the_reward_function(model_folder):
+    # 3e38 is finite in float32, but a group's mean of two of them is not.
+    grpo = grpo_module(model_folder, rewards=["tests.helpers.chaos_rewards:float32_max_reward"])
+    with pytest.raises(NonFiniteRewards, match=r"group advantages: 4 of 4 values are not finite .*"
+                                               r"scale down the rewards of 'float32_max_reward' \(weight 1.0\)"):
+        fit_grpo(grpo, model_folder, steps=1)
+    assert all(torch.isfinite(parameter).all() for parameter in grpo.policy.parameters())

@@ -1,6 +1,7 @@
 """RewardRunner against misbehaving rewards (issue 23): GIL-holding work, outputs that fail
 while read, scores past float32's range, repeated timeouts."""
 
+import itertools
 import threading
 import time
 
@@ -38,9 +39,10 @@ def test_math_reward_still_compares_bounded_powers_and_numbers():
 @pytest.mark.parametrize(("function", "problem"), [
     (chaos.big_int_reward, "raised OverflowError while its output was read"),
     (chaos.generator_reward, "raised ValueError while its output was read: generator broke"),
-    (chaos.endless_generator_reward, "did not return within timeout_s=1.0 s"),
+    (chaos.endless_generator_reward, "returned more than 2 scores for 2 completions"),
+    (lambda completions, **kwargs: itertools.count(), "returned more than 2 scores for 2 completions"),
     (lambda completions, **kwargs: [10**400] * len(completions), "raised OverflowError while its output was read"),
-], ids=["big-int", "raising-generator", "endless-generator", "big-int-in-a-thread"])
+], ids=["big-int", "raising-generator", "endless-generator", "endless-generator-in-a-thread", "big-int-in-a-thread"])
 def test_runner_reads_outputs_where_the_function_ran(function, problem):
     runner = RewardRunner([function, chaos.constant_reward], timeout_s=1.0)
     with pytest.warns(RewardWarning, match=problem):
@@ -59,7 +61,7 @@ def test_runner_refuses_scores_past_float32_range():
 
 def test_runner_fails_a_weighted_total_past_float32_range():
     runner = RewardRunner([chaos.float32_max_reward, chaos.constant_reward], weights=[2.0, 1.0])
-    with pytest.warns(RewardWarning, match=r"weighted sum .* sample 0 the weighted total 6e\+38, not finite in float32"):
+    with pytest.warns(RewardWarning, match=r"weighted sum of the reward functions gave sample 0 the total 6e\+38, not finite in float32"):
         scores = runner(["a", "b"])
     assert scores.per_function["float32_max_reward"] == [3e38, 3e38]
     assert (scores.total, scores.failures, scores.unscored) == ([0.0, 0.0], 2, 0)
