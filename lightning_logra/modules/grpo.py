@@ -32,7 +32,7 @@ from lightning_logra.rl.batch import BACKWARD_HINT, MicroBatching, RolloutBatch,
 from lightning_logra.rl.collectives import any_rank, gather_ranks
 from lightning_logra.rl.config import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
 from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE, sequence_logprobs
-from lightning_logra.rl.losses import RunningBaseline, group_advantages
+from lightning_logra.rl.losses import NonFiniteRewards, RunningBaseline, group_advantages
 from lightning_logra.rl.metrics import PassTotals, PhaseClock, step_metrics
 from lightning_logra.rl.sampling import (
     ScoredRollouts,
@@ -89,6 +89,9 @@ class GRPOModule(L.LightningModule):
         reward_weights: one weight per reward function (default 1 each).
         reward_timeout_s: seconds each reward function may take on a batch; past it the
             function's scores for the batch are failures (0, counted).
+        reward_max_consecutive_timeouts: batches in a row on which one reward function may
+            time out before the run stops with an error naming it (each timeout of a function
+            run in a thread leaves that thread behind).
         lora: train LoRA adapters of this shape (peft) instead of the full weights (dense or
             LoRA baseline); None trains the full weights.
         activation_checkpointing: recompute each decoder layer's activations in backward
@@ -108,6 +111,7 @@ class GRPOModule(L.LightningModule):
         rewards: list[str] | None = None,
         reward_weights: list[float] | None = None,
         reward_timeout_s: float = 10.0,
+        reward_max_consecutive_timeouts: int = 3,
         lora: LoRAConfig | None = None,
         micro_batch_size: int = 4,
         num_iterations: int = 1,
@@ -131,7 +135,8 @@ class GRPOModule(L.LightningModule):
         loss_type, buffer = self.loss_config.type, self.loss_config.overlong_buffer
         generations, engine = self.rollout_config.num_generations, self.rollout_config.engine
         check = FieldChecks("GRPOModule", {
-            "reward_timeout_s": reward_timeout_s, "micro_batch_size": micro_batch_size,
+            "reward_timeout_s": reward_timeout_s, "reward_max_consecutive_timeouts": reward_max_consecutive_timeouts,
+            "micro_batch_size": micro_batch_size,
             "num_iterations": num_iterations, "mini_batches": mini_batches,
             "log_completions_every": log_completions_every, "log_completions_count": log_completions_count,
             "activation_checkpointing": activation_checkpointing, "logprob_chunk_positions": logprob_chunk_positions,
@@ -139,6 +144,7 @@ class GRPOModule(L.LightningModule):
             "rollout.engine": engine,
         })
         check.number("reward_timeout_s", above=0)
+        check.integer("reward_max_consecutive_timeouts", at_least=1)
         check.integer("micro_batch_size", at_least=1)
         check.integer("num_iterations", at_least=1)
         check.integer("mini_batches", at_least=1)
@@ -173,7 +179,8 @@ class GRPOModule(L.LightningModule):
             self.reference, _ = load_policy(model, cache_dir=cache_dir)
             self.reference.requires_grad_(False).eval()
 
-        self.reward_runner = RewardRunner(rewards or [DEFAULT_REWARD], weights=reward_weights, timeout_s=reward_timeout_s)
+        self.reward_runner = RewardRunner(rewards or [DEFAULT_REWARD], weights=reward_weights, timeout_s=reward_timeout_s,
+                                          max_consecutive_timeouts=reward_max_consecutive_timeouts)
         self.baseline = RunningBaseline(self.loss_config.baseline_weight, self.loss_config.failure_reward)
         self.val_pass_at_1 = MeanMetric()
         self.val_pass_at_n = MeanMetric()
@@ -394,12 +401,17 @@ class GRPOModule(L.LightningModule):
 
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         loss = self.loss_config
-        if loss.type == "reinforce_baseline":
-            # Every rank updates the running baseline with the same (gathered) rewards and
-            # keeps the advantages of its own rows.
-            everyone = self.baseline.advantages(gather_ranks(rewards))
-            return everyone.view(-1, rewards.numel())[self.global_rank if everyone.numel() > rewards.numel() else 0]
-        return group_advantages(rewards, self.rollout_config.num_generations, normalize_std=loss.type != "dr_grpo")
+        try:
+            if loss.type == "reinforce_baseline":
+                # Every rank updates the running baseline with the same (gathered) rewards and
+                # keeps the advantages of its own rows.
+                everyone = self.baseline.advantages(gather_ranks(rewards))
+                return everyone.view(-1, rewards.numel())[self.global_rank if everyone.numel() > rewards.numel() else 0]
+            return group_advantages(rewards, self.rollout_config.num_generations, normalize_std=loss.type != "dr_grpo")
+        except NonFiniteRewards as error:
+            runner = self.reward_runner
+            functions = ", ".join(f"{name!r} (weight {weight})" for name, weight in zip(runner.names, runner.weights))
+            raise NonFiniteRewards(f"{error}: scale down the rewards of {functions}") from None
 
     def _logprobs(self, model, input_ids, attention_mask, entropy: bool = False):
         """One call with grad (a micro-batch); micro-batched without (a whole rollout batch)."""

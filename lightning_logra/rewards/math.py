@@ -3,8 +3,15 @@
 Comparison: equal after normalisation, or equal as exact rationals (``1,000`` = ``1000``,
 ``3/4`` = ``0.75`` = ``\\frac{3}{4}``, ``-5.`` = ``-5``, ``$12`` = ``12 dollars``); past that,
 ``math_verify`` (``pip install lightning-logra[math]``) decides symbolic equivalence when it
-is installed. Its own signal-based timeouts are off because rewards run in worker
-threads: ``RewardRunner`` enforces the time limit.
+is installed. Its own signal-based timeouts are on where they can work, in a main thread
+(``RewardRunner`` runs this function in a worker process's main thread), and off in any
+other thread, where the runner's timeout is the only limit.
+
+Neither comparison ever computes an unbounded number: an answer with a number of more than
+``MAX_DIGITS`` digits, an exponent (``1e...``, ``^``, ``**``) past ``MAX_EXPONENT`` or
+holding another power (``10^{10^{10}}``), or a factorial past ``MAX_EXPONENT!`` matches only
+a reference that reads the same. One such big-integer operation holds the GIL for minutes,
+which no timeout in a thread can interrupt.
 
 ``math_reward`` follows TRL's reward convention, ``fn(completions, **kwargs)`` with the
 reference answers in the ``answer`` column, and still accepts the older positional call
@@ -16,6 +23,7 @@ their text with ``completion_text``.
 
 import logging
 import re
+import threading
 from fractions import Fraction
 
 from lightning_logra.rewards.completions import completion_text
@@ -44,6 +52,15 @@ NUMBER_WITH_UNITS = re.compile(r"(?P<number>[-\d.,/]+)(?:\s+[a-zA-Z]{2,})+")
 FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$")
 LATEX_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\{([^{}]*)\}")
 LATEX_NOISE = re.compile(r"\\left|\\right|\\[!,;: ]|\^\{?\\circ\}?|\\%|%|\\\$|\$")
+# Bounds on the numbers a comparison computes with (see the module docstring).
+MAX_DIGITS = 1000
+MAX_EXPONENT = 1000
+DIGITS = re.compile(r"\d+")
+SCIENTIFIC_EXPONENT = re.compile(r"\d\.?\s*[eE]\s*[-+]?\s*(\d+)")
+POWER = re.compile(r"\^|\*\*")
+FACTORIAL = re.compile(r"(\d+)\s*!")
+# A power raised again, "10**10**10" (right-associative: a tower) or "a^b^c".
+POWER_CHAIN = re.compile(r"(?:\^|\*\*)\s*(?:\{[^{}]*\}|\([^()]*\)|[-+]?[\w.]+)\s*(?:\^|\*\*)")
 
 
 def extract_answer(text: str) -> str | None:
@@ -74,11 +91,32 @@ def answers_match(predicted: str, reference: str) -> bool:
     predicted_number, reference_number = _to_number(predicted), _to_number(reference)
     if predicted_number is not None and reference_number is not None:
         return predicted_number == reference_number
-    if math_verify is None:
+    if math_verify is None or not (bounded(predicted) and bounded(reference)):
         return False
-    gold = math_verify.parse(f"${reference}$", parsing_timeout=None)
-    answer = math_verify.parse(f"${predicted}$", parsing_timeout=None)
-    return bool(gold) and bool(answer) and math_verify.verify(gold, answer, timeout_seconds=None)
+    # math_verify's own timeouts (its defaults) use SIGALRM, which only a main thread receives.
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    parsing = {} if on_main_thread else {"parsing_timeout": None}
+    verifying = {} if on_main_thread else {"timeout_seconds": None}
+    gold = math_verify.parse(f"${reference}$", **parsing)
+    answer = math_verify.parse(f"${predicted}$", **parsing)
+    return bool(gold) and bool(answer) and math_verify.verify(gold, answer, **verifying)
+
+
+def bounded(answer: str) -> bool:
+    """Whether every number ``answer`` spells out stays within ``MAX_DIGITS`` digits, its
+    exponents within ``MAX_EXPONENT`` (no power inside an exponent) and its factorials
+    within ``MAX_EXPONENT!``: whether computing it takes milliseconds."""
+    if any(len(digits) > MAX_DIGITS for digits in DIGITS.findall(answer)):
+        return False
+    if any(int(exponent) > MAX_EXPONENT for exponent in SCIENTIFIC_EXPONENT.findall(answer)):
+        return False
+    if any(int(number) > MAX_EXPONENT for number in FACTORIAL.findall(answer)) or POWER_CHAIN.search(answer):
+        return False
+    for power in POWER.finditer(answer):
+        exponent = _operand(answer, power.end())
+        if POWER.search(exponent) or any(int(n) > MAX_EXPONENT for n in DIGITS.findall(exponent)):
+            return False
+    return True
 
 
 def math_reward(completions: list, answers: list | None = None, *, answer: list | None = None, **kwargs) -> list:
@@ -149,6 +187,21 @@ def _normalize(answer: str) -> str:
     return " ".join(answer.split()).rstrip(".").strip().lower()
 
 
+def _operand(text: str, start: int) -> str:
+    """The exponent that starts at ``start``: a ``{...}`` or ``(...)`` group (to its closing
+    bracket, or the text's end), else the run of word characters, dots and signs there."""
+    text = text[start:].lstrip()
+    if text[:1] in ("{", "("):
+        opening, closing = text[0], "}" if text[0] == "{" else ")"
+        depth = 0
+        for position, character in enumerate(text):
+            depth += (character == opening) - (character == closing)
+            if depth == 0:
+                return text[1:position]
+        return text
+    return re.match(r"[-+]?[\w.\\]*", text)[0]
+
+
 def _to_number(answer: str) -> Fraction | None:
     with_units = NUMBER_WITH_UNITS.fullmatch(answer)
     if with_units:
@@ -159,6 +212,8 @@ def _to_number(answer: str) -> Fraction | None:
     fraction = FRAC.match(answer)
     if fraction:
         answer = f"{fraction[1]}{fraction[2]}/{fraction[3]}"
+    if not bounded(answer):
+        return None
     try:
         return Fraction(answer)
     except (ValueError, ZeroDivisionError):

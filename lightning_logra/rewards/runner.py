@@ -9,16 +9,20 @@ passes, typically ``prompts``, ``completion_ids``, ``answer`` and the dataset's 
 columns, each a list aligned with ``completions``. None means "this function does not
 score this sample" (e.g. a math reward on a row of another task): it adds nothing.
 
-``RewardRunner`` calls each function once per batch in a daemon worker thread and waits at
-most ``timeout_s``. A thread cannot be killed: one that hangs is abandoned (daemon threads
-never block interpreter exit), and the next batch gets a fresh one. ``async def``
-functions run concurrently with each other on one event loop in one more worker thread,
-started before the sync functions so that it overlaps them, each under the same timeout.
+``RewardRunner`` calls each function once per batch and waits at most ``timeout_s`` for it.
+A plain module-level function runs in a worker process of its own, killed on a timeout and
+forked again for the next batch; a lambda, closure, callable object or function defined in
+``__main__`` runs in a daemon thread, which a timeout abandons (see ``workers``). ``async
+def`` functions run concurrently with each other on one event loop in one more worker
+thread, started before the others so that it overlaps them, each under the same timeout.
+After ``max_consecutive_timeouts`` timeouts in a row of one function the runner raises: each
+one may have left a thread behind.
 
 A function that raises, hangs or does not return a list of exactly one score per
-completion loses the whole batch: all its scores are None and counted in ``failures``. A
-single score that is not a finite number (bools count as 0/1) or None loses only that
-sample's score. Each kind of failure of a function is reported once, with a
+completion (read where it ran, under its timeout) loses the whole batch: all its scores are
+None and counted in ``failures``. A single score that is not a number finite in float32
+(bools count as 0/1) or None loses only that sample's score, and so does a weighted total
+that is not finite in float32. Each kind of failure is reported once, with a
 ``RewardWarning``; later ones are only counted.
 """
 
@@ -26,12 +30,22 @@ import asyncio
 import importlib
 import inspect
 import math
-import numbers
 import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from lightning_logra.rewards.workers import (
+    FLOAT32_MAX,
+    Checked,
+    ProcessWorker,
+    call_in_thread,
+    lost,
+    read_output,
+    runs_in_process,
+    timed_out,
+)
 
 RewardFunction = Callable[..., Sequence[float | None]]
 
@@ -55,26 +69,6 @@ class RewardScores:
     per_function: dict[str, list[float | None]]
     failures: int
     unscored: int
-
-
-@dataclass
-class _Outcome:
-    """What one function's call produced: its output, the exception it raised, or neither
-    (it did not finish in time)."""
-
-    output: object = None
-    error: BaseException | None = None
-    finished: bool = False
-
-
-@dataclass
-class _Checked:
-    """One function's scores after validation; ``failed`` lists the samples lost to a failure."""
-
-    scores: list[float | None]
-    failed: list[int]
-    kind: str = ""
-    problem: str = ""
 
 
 def load_reward(spec: str) -> RewardFunction:
@@ -101,7 +95,9 @@ class RewardRunner:
 
     ``functions`` holds callables or ``"module:function"`` specs; ``weights`` defaults to 1
     each. Functions are named by their ``__name__`` (``math_reward``, then ``math_reward_2``
-    for a second one of that name), the keys of ``RewardScores.per_function``.
+    for a second one of that name), the keys of ``RewardScores.per_function``. After
+    ``max_consecutive_timeouts`` batches in a row on which one function timed out, the call
+    raises ``RuntimeError`` naming it.
     """
 
     def __init__(
@@ -109,6 +105,7 @@ class RewardRunner:
         functions: Sequence[RewardFunction | str],
         weights: Sequence[float] | None = None,
         timeout_s: float = 10.0,
+        max_consecutive_timeouts: int = 3,
     ) -> None:
         if not functions:
             raise ValueError("RewardRunner needs at least one reward function")
@@ -117,64 +114,111 @@ class RewardRunner:
         self.weights = _checked_weights(weights, len(self.functions))
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if isinstance(max_consecutive_timeouts, bool) or not isinstance(max_consecutive_timeouts, int) \
+                or max_consecutive_timeouts < 1:
+            raise ValueError(f"max_consecutive_timeouts must be an integer >= 1, got {max_consecutive_timeouts!r}")
         self.timeout_s = timeout_s
+        self.max_consecutive_timeouts = max_consecutive_timeouts
+        self._workers = {name: ProcessWorker(name, f) for name, f in zip(self.names, self.functions)
+                         if runs_in_process(f)}
+        self._timeouts_in_a_row = dict.fromkeys(self.names, 0)
         self._reported: set[tuple[str, str]] = set()
 
     def __call__(self, completions: list, **columns: list) -> RewardScores:
         """Score a batch: ``columns`` (``prompts``, ``completion_ids``, ``answer``, ...) are
         passed to every function as keyword arguments, each a list of ``len(completions)``."""
         _check_columns(columns, len(completions))
-        outcomes = self._run(completions, columns)
-        checked = {name: _checked(outcomes[name], len(completions), self.timeout_s) for name in self.names}
+        results = self._run(completions, columns)
+        checked = {name: results[name] for name in self.names}
         for name, result in checked.items():
             if result.failed:
-                self._report(name, result, len(completions))
-        return _combine(checked, self.weights, len(completions))
+                self._report((name, result.kind), f"reward function {name!r} {result.problem}", len(result.failed),
+                             len(completions))
+        self._count_timeouts(checked)
+        scores, overflowed = _combine(checked, self.weights, len(completions))
+        if overflowed:
+            index, total = overflowed[0]
+            problem = (f"the weighted sum of the reward functions gave sample {index} the total {total!r}, "
+                       f"not finite in float32 (|x| <= {FLOAT32_MAX:.4g})")
+            self._report(("", "total"), problem, len(overflowed), len(completions))
+        return scores
 
-    def _run(self, completions: list, columns: dict) -> dict[str, _Outcome]:
-        """Every function's outcome: the async ones' loop thread starts first, then the sync
-        functions run one after another, each in its own thread."""
-        jobs = list(zip(self.names, self.functions))
+    def start(self) -> None:
+        """Start the worker processes now (the first call does otherwise): the first start in
+        a process also starts the server they fork from, which imports this package."""
+        for worker in self._workers.values():
+            worker.start()
+
+    def close(self) -> None:
+        """Stop the worker processes (a later call starts them again)."""
+        for worker in self._workers.values():
+            worker.stop()
+
+    def _run(self, completions: list, columns: dict) -> dict[str, Checked]:
+        """Every function's scores: the worker processes get the batch first, then the async
+        functions' loop thread starts, then the thread functions run one after another, each
+        in its own thread; each worker process's deadline is timeout_s after its batch was sent."""
+        size = len(completions)
+        results: dict[str, Checked] = {}
+        deadlines: dict[str, float] = {}
+        for name, worker in self._workers.items():
+            refused = worker.submit(completions, columns)
+            if refused is None:
+                deadlines[name] = time.monotonic() + self.timeout_s
+            else:
+                results[name] = refused
+        jobs = [(name, f) for name, f in zip(self.names, self.functions) if name not in self._workers]
         coroutines = [(name, f) for name, f in jobs if _is_async(f)]
         loop = _AsyncBatch(coroutines, completions, columns, self.timeout_s) if coroutines else None
-        outcomes = {
-            name: _call_in_thread(name, lambda f=f: f(completions=completions, **columns), self.timeout_s)
-            for name, f in jobs
-            if not _is_async(f)
-        }
+        for name, function in jobs:
+            if not _is_async(function):
+                results[name] = call_in_thread(name, function, completions, columns, self.timeout_s)
+        for name, deadline in deadlines.items():
+            results[name] = self._workers[name].collect(size, deadline, self.timeout_s)
         if loop is not None:
-            outcomes.update(loop.collect())
-        return outcomes
+            results.update(loop.collect(size))
+        return results
 
-    def _report(self, name: str, result: _Checked, size: int) -> None:
-        if (name, result.kind) in self._reported:
+    def _count_timeouts(self, checked: dict[str, Checked]) -> None:
+        for name, result in checked.items():
+            self._timeouts_in_a_row[name] = self._timeouts_in_a_row[name] + 1 if result.kind == "timeout" else 0
+            if self._timeouts_in_a_row[name] >= self.max_consecutive_timeouts:
+                raise RuntimeError(
+                    f"reward function {name!r} did not return within timeout_s={self.timeout_s} s on "
+                    f"{self._timeouts_in_a_row[name]} batches in a row (max_consecutive_timeouts="
+                    f"{self.max_consecutive_timeouts}); run in a thread or an event loop, a hung function is "
+                    "left behind each time: fix or speed up the function, or raise the timeout")
+
+    def _report(self, key: tuple[str, str], problem: str, failed: int, size: int) -> None:
+        """Warn about the first failure of each (function, kind) key; later ones are only counted."""
+        if key in self._reported:
             return
-        self._reported.add((name, result.kind))
-        lost = "its" if len(result.failed) == size else f"{len(result.failed)} of its"
-        message = f"reward function {name!r} {result.problem}; {lost} {size} scores count as 0"
-        warnings.warn(message, RewardWarning, stacklevel=3)
+        self._reported.add(key)
+        share = "its" if failed == size else f"{failed} of its"
+        warnings.warn(f"{problem}; {share} {size} scores count as 0", RewardWarning, stacklevel=3)
 
 
 class _AsyncBatch:
     """The async functions of one call, run concurrently (``asyncio.gather``) on one event
-    loop in a daemon thread. ``collect`` waits until ``timeout_s`` after the start at most:
-    a coroutine that blocks its loop (e.g. calls ``time.sleep``) cannot be cancelled, so
-    whichever has not finished by then counts as hung."""
+    loop in a daemon thread, each output read there. ``collect`` waits until ``timeout_s``
+    after the start at most: a coroutine that blocks its loop (e.g. calls ``time.sleep``)
+    cannot be cancelled, so whichever has not finished by then counts as hung."""
 
     def __init__(self, jobs: list, completions: list, columns: dict, timeout_s: float) -> None:
         self.names = [name for name, _ in jobs]
-        self.outcomes: dict[str, _Outcome] = {}
+        self.results: dict[str, Checked] = {}
         self.done = threading.Event()
+        self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         thread = threading.Thread(
             target=self._run, args=(jobs, completions, columns, timeout_s), name="reward:async", daemon=True
         )
         thread.start()
 
-    def collect(self) -> dict[str, _Outcome]:
+    def collect(self, size: int) -> dict[str, Checked]:
         self.done.wait(max(0.0, self.deadline - time.monotonic()))
-        finished = dict(self.outcomes)  # a copy: abandoned coroutines may still write
-        return {name: finished.get(name, _Outcome()) for name in self.names}
+        finished = dict(self.results)  # a copy: abandoned coroutines may still write
+        return {name: finished.get(name) or timed_out(size, self.timeout_s) for name in self.names}
 
     def _run(self, jobs: list, completions: list, columns: dict, timeout_s: float) -> None:
         try:
@@ -186,101 +230,43 @@ class _AsyncBatch:
         await asyncio.gather(*(self._await(name, f, completions, columns, timeout_s) for name, f in jobs))
 
     async def _await(self, name: str, function, completions: list, columns: dict, timeout_s: float) -> None:
-        """Record the function's outcome, unless it hangs: then it is cancelled, unrecorded.
+        """Record the function's scores, unless it hangs: then it is cancelled, unrecorded.
         (``asyncio.wait`` rather than ``wait_for``, so that a TimeoutError the function
         raises itself is reported as raised, not as a hang.)"""
+        size = len(completions)
         try:
             task = asyncio.ensure_future(function(completions=completions, **columns))
         except Exception as error:  # e.g. a TypeError from its signature
-            self.outcomes[name] = _Outcome(error=error, finished=True)
+            self.results[name] = lost(size, f"raised {type(error).__name__}", f"raised {type(error).__name__}: {error}")
             return
         finished, _ = await asyncio.wait({task}, timeout=timeout_s)
         if not finished:
             task.cancel()
             return
         error = task.exception()
-        self.outcomes[name] = _Outcome(output=None if error else task.result(), error=error, finished=True)
+        if error is not None:
+            self.results[name] = lost(size, f"raised {type(error).__name__}", f"raised {type(error).__name__}: {error}")
+        else:
+            self.results[name] = read_output(task.result(), size)
 
 
-def _call_in_thread(name: str, call: Callable[[], object], timeout_s: float) -> _Outcome:
-    """Run ``call`` in a daemon thread; an unfinished outcome if it takes over ``timeout_s``."""
-    outcome = _Outcome()
-    done = threading.Event()
-
-    def target() -> None:
-        try:
-            outcome.output = call()
-        except BaseException as error:  # noqa: BLE001 - user code: even SystemExit is isolated
-            outcome.error = error
-        finally:
-            done.set()
-
-    threading.Thread(target=target, name=f"reward:{name}", daemon=True).start()
-    if not done.wait(timeout_s):
-        return _Outcome()  # a fresh one: the abandoned thread may still fill the other
-    outcome.finished = True
-    return outcome
-
-
-_BAD = object()  # marks a score that is neither a finite number nor None
-
-
-def _checked(outcome: _Outcome, size: int, timeout_s: float) -> _Checked:
-    """Validate an outcome: a whole batch is lost to an error, a hang or a wrong-shaped
-    output; a single score to a value that is neither a finite number nor None."""
-    lost = [None] * size, list(range(size))
-    if not outcome.finished:
-        return _Checked(*lost, "timeout", f"did not return within timeout_s={timeout_s} s")
-    if outcome.error is not None:
-        kind = f"raised {type(outcome.error).__name__}"
-        return _Checked(*lost, kind, f"{kind}: {outcome.error}")
-    values = _as_list(outcome.output)
-    if values is None:
-        return _Checked(*lost, "type", f"returned {type(outcome.output).__name__}, expected a list of {size} scores")
-    if len(values) != size:
-        return _Checked(*lost, "length", f"returned {len(values)} scores for {size} completions")
-    scores = [_as_score(value) for value in values]
-    failed = [index for index, score in enumerate(scores) if score is _BAD]
-    if not failed:
-        return _Checked(scores, [])
-    first = values[failed[0]]
-    problem = f"returned {first!r} for sample {failed[0]} (a score must be a finite number or None)"
-    return _Checked([None if s is _BAD else s for s in scores], failed, "value", problem)
-
-
-def _as_list(output) -> list | None:
-    """The output's elements (a list, tuple, array or tensor), or None if it is not a sequence."""
-    if isinstance(output, (str, bytes, dict)):
-        return None
-    try:
-        return list(output)
-    except TypeError:
-        return None
-
-
-def _as_score(value):
-    if value is None:
-        return None
-    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
-        value = value.item()  # a NumPy or torch scalar
-    if not isinstance(value, numbers.Real):
-        return _BAD
-    value = float(value)
-    return value if math.isfinite(value) else _BAD
-
-
-def _combine(checked: dict[str, _Checked], weights: list[float], size: int) -> RewardScores:
+def _combine(checked: dict[str, Checked], weights: list[float], size: int) -> tuple[RewardScores, list]:
+    """The scores, and the ``(sample, total)`` pairs whose weighted total is not finite in
+    float32: those totals become 0 and count as failures."""
     per_function = {name: result.scores for name, result in checked.items()}
     total = [
         sum(weight * scores[i] for weight, scores in zip(weights, per_function.values()) if scores[i] is not None)
         for i in range(size)
     ]
-    failed = {index for result in checked.values() for index in result.failed}
+    overflowed = [(i, t) for i, t in enumerate(total) if not (math.isfinite(t) and abs(t) <= FLOAT32_MAX)]
+    for index, _ in overflowed:
+        total[index] = 0.0
+    failed = {index for result in checked.values() for index in result.failed} | {i for i, _ in overflowed}
     unscored = sum(
         1 for i in range(size) if i not in failed and all(scores[i] is None for scores in per_function.values())
     )
-    failures = sum(len(result.failed) for result in checked.values())
-    return RewardScores([float(t) for t in total], per_function, failures, unscored)
+    failures = sum(len(result.failed) for result in checked.values()) + len(overflowed)
+    return RewardScores([float(t) for t in total], per_function, failures, unscored), overflowed
 
 
 def _check_columns(columns: dict, size: int) -> None:

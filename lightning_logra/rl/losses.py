@@ -7,11 +7,26 @@ whatever values they hold. ``advantages`` is one value per sequence (``B``) or p
 (``B x T``). Each loss returns ``(loss, stats)`` with detached scalar tensors in ``stats``.
 """
 
+import math
+
 import torch
 
 from lightning_logra.rl.config import LossConfig
 
 AGGREGATIONS = ("token", "sequence")
+
+
+class NonFiniteRewards(ValueError):
+    """Rewards whose advantages (or running baseline) are not finite in float32: training on
+    them would make the weights NaN, so the step stops instead (``GRPOModule`` adds the reward
+    functions' names)."""
+
+
+def _check_finite(what: str, values: torch.Tensor, rewards: torch.Tensor) -> None:
+    if not torch.isfinite(values).all():
+        bad = int((~torch.isfinite(values)).sum())
+        raise NonFiniteRewards(f"{what}: {bad} of {values.numel()} values are not finite in float32; the rewards "
+                               f"range over [{rewards.min().item():.4g}, {rewards.max().item():.4g}]")
 
 
 def group_advantages(
@@ -32,6 +47,7 @@ def group_advantages(
     centered = groups - groups.mean(dim=1, keepdim=True)
     if normalize_std:
         centered = centered / (groups.std(dim=1, keepdim=True) + eps)
+    _check_finite("group advantages", centered, rewards)
     return centered.reshape(-1)
 
 
@@ -48,7 +64,9 @@ class RunningBaseline:
     3. Update ``b <- (1 - weight) * b + weight * mean(shaped rewards)``.
 
     Pass the rewards of all data-parallel ranks (gathered) so that every rank keeps the
-    same baseline. The baseline lives in ``state_dict()`` for checkpoints.
+    same baseline. The baseline lives in ``state_dict()`` for checkpoints. Rewards that would
+    make the advantages or the baseline non-finite raise ``NonFiniteRewards`` and leave the
+    baseline as it was.
     """
 
     def __init__(self, weight: float = 0.1, failure_reward: float | None = -0.01) -> None:
@@ -69,14 +87,23 @@ class RunningBaseline:
             raise ValueError(f"rewards must be a non-empty 1-D tensor, got shape {tuple(rewards.shape)}")
         shaped = self.shape(rewards)
         advantages = shaped - self.value
-        self.value = (1 - self.weight) * self.value + self.weight * shaped.mean().item()
+        value = (1 - self.weight) * self.value + self.weight * shaped.mean().item()
+        _check_finite(f"running baseline advantages (baseline {self.value:.4g})", advantages, rewards)
+        if not math.isfinite(value):
+            raise NonFiniteRewards(f"running baseline: the rewards' mean {shaped.mean().item()} would make the "
+                                   f"baseline {value}; it keeps {self.value:.4g}")
+        self.value = value
         return advantages
 
     def state_dict(self) -> dict[str, float]:
         return {"value": self.value}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value = float(state["value"])
+        value = float(state["value"])
+        if not math.isfinite(value):
+            raise ValueError(f"running baseline state: value {value} is not finite (a checkpoint saved after "
+                             "non-finite rewards); it cannot be resumed from")
+        self.value = value
 
 
 def grpo_loss(
@@ -308,4 +335,7 @@ def _check_inputs(logprobs, advantages, mask, **others) -> torch.Tensor:
     mask = mask.bool()
     if not mask.any():
         raise ValueError("mask selects no tokens: nothing to train on")
+    if not torch.isfinite(advantages).all():
+        raise NonFiniteRewards(f"advantages hold {int((~torch.isfinite(advantages)).sum())} non-finite values: "
+                               "the rewards they come from are not finite in float32")
     return mask

@@ -7,6 +7,8 @@
 - ``grpo``: GRPOModule builders and runs, reward functions named by import path
   (``"tests.helpers.grpo:varied_reward"``), the reference-model and export runs.
 - ``distributed``: run a function on 2 gloo processes; a subprocess's environment.
+- ``chaos_rewards``: reward functions that misbehave in every way RewardRunner must survive
+  (hang, hold the GIL, raise, wrong length, NaN, past float32, generators, non-lists).
 
 A builder lives here when more than one test file uses it, or when several test files had
 one of the same name (each then has a name that says how it differs). A file's own

@@ -39,9 +39,18 @@ def odd_answer_reward(completions, answer, **kwargs):
     return [sum(map(ord, str(c))) % 7 / 7 if int(a) % 2 else 0.0 for c, a in zip(completions, answer)]
 
 
-def recording_reward(completions, **kwargs):
-    SEEN.update(completions=completions, **kwargs)
-    return [0.5] * len(completions)
+class _RecordingReward:
+    """A reward with state: a callable object, so that RewardRunner runs it in a thread of
+    this process (a plain function runs in a worker process, where SEEN would not be ours)."""
+
+    __name__ = "recording_reward"
+
+    def __call__(self, completions, **kwargs):
+        SEEN.update(completions=completions, **kwargs)
+        return [0.5] * len(completions)
+
+
+recording_reward = _RecordingReward()
 
 
 def answer_reward(completions, answer, **kwargs):

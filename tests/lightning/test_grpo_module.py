@@ -158,6 +158,7 @@ def test_invalid_settings_name_the_field(model_folder):
     ("log_completions_every", -1, "an integer >= 0"),
     ("logprob_chunk_positions", 0, "an integer >= 1"),
     ("reward_timeout_s", float("inf"), "a finite number > 0"),
+    ("reward_max_consecutive_timeouts", 0, "an integer >= 1"),
     ("seed", -1, "an integer >= 0"),
     ("activation_checkpointing", 1, "true or false"),
 ])

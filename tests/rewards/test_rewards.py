@@ -249,6 +249,7 @@ def test_runner_fails_the_batch_of_a_raising_function():
 
 def test_runner_abandons_a_hanging_function_after_the_timeout(release_hung_workers):
     runner = RewardRunner([hanging_reward, length_reward], timeout_s=0.2)
+    runner.start()  # worker processes: their start is not part of the timeout
     started = time.monotonic()
     with pytest.warns(RewardWarning, match=r"'hanging_reward' did not return within timeout_s=0.2 s; its 2 scores"):
         scores = runner(["a", "b"])
@@ -369,7 +370,8 @@ def test_trl_accuracy_reward_reads_the_solution_column(math_verify_log_levels):
 
 def test_math_verify_timeout_notice_is_not_shown(monkeypatch, caplog, capsys):
     # math_verify logs a one-time "Timeout is disabled ..." notice from parse and from verify
-    # when their timeouts are off, as math_reward's are on purpose (RewardRunner enforces one).
+    # when their timeouts are off, as math_reward's are on purpose off the main thread, where
+    # math_verify's SIGALRM timeouts cannot work (RewardRunner's timeout applies there).
     import logging
 
     import math_verify.grader
@@ -378,7 +380,11 @@ def test_math_verify_timeout_notice_is_not_shown(monkeypatch, caplog, capsys):
     monkeypatch.setattr(math_verify.parser, "TIMEOUT_WARNING_SHOWN", False)  # not yet shown this process
     monkeypatch.setattr(math_verify.grader, "TIMEOUT_WARNING_SHOWN", False)
     caplog.set_level("DEBUG")
-    assert math_reward(["so \\boxed{\\sqrt{4}}"], ["2"]) == [1.0]  # only math_verify can tell
+    scores = []
+    worker = threading.Thread(target=lambda: scores.append(math_reward(["so \\boxed{\\sqrt{4}}"], ["2"])))
+    worker.start()
+    worker.join()
+    assert scores == [[1.0]]  # only math_verify can tell
     assert math_verify.parser.TIMEOUT_WARNING_SHOWN and math_verify.grader.TIMEOUT_WARNING_SHOWN  # reached
     assert not [record for record in caplog.records if "Timeout is disabled" in record.getMessage()]
     captured = capsys.readouterr()

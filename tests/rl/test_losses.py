@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lightning_logra.rl.losses import (
+    NonFiniteRewards,
     RunningBaseline,
     dr_grpo_loss,
     group_advantages,
@@ -194,3 +195,34 @@ def test_losses_name_the_bad_input():
         grpo_loss(logprobs, logprobs, torch.zeros(2), torch.ones(2, 3), rollout_logprobs=torch.zeros(1, 3))
     with pytest.raises(ValueError, match="aggregation"):
         grpo_loss(logprobs, logprobs, torch.zeros(2), torch.ones(2, 3), aggregation="mean")
+
+
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_group_advantages_refuse_rewards_whose_mean_overflows_float32(normalize_std):
+    with pytest.raises(NonFiniteRewards, match=r"group advantages: 2 of 2 values are not finite in float32; "
+                                               r"the rewards range over \[3e\+38, 3e\+38\]"):
+        group_advantages(torch.tensor([3e38, 3e38]), 2, normalize_std=normalize_std)
+
+
+def test_running_baseline_refuses_rewards_that_would_make_it_non_finite_and_keeps_its_value():
+    baseline = RunningBaseline(weight=0.5, failure_reward=None)
+    baseline.load_state_dict({"value": -3e38})
+    with pytest.raises(NonFiniteRewards, match=r"running baseline advantages \(baseline -3e\+38\): 2 of 2 values"):
+        baseline.advantages(torch.tensor([3e38, 3e38]))
+    assert baseline.value == -3e38
+    fresh = RunningBaseline(weight=1.0, failure_reward=None)
+    with pytest.raises(NonFiniteRewards, match="running baseline: the rewards' mean inf would make the baseline inf"):
+        fresh.advantages(torch.tensor([3e38, 3e38]))
+    assert fresh.state_dict() == {"value": 0.0}
+
+
+def test_running_baseline_refuses_a_non_finite_saved_value():
+    with pytest.raises(ValueError, match="running baseline state: value inf is not finite"):
+        RunningBaseline().load_state_dict({"value": INF})
+
+
+@pytest.mark.parametrize("loss", [grpo_loss, gspo_loss, reinforce_baseline_loss])
+def test_losses_refuse_non_finite_advantages(loss):
+    logprobs = torch.zeros(2, 3)
+    with pytest.raises(NonFiniteRewards, match="advantages hold 1 non-finite values"):
+        loss(logprobs, logprobs, torch.tensor([1.0, math.nan]), torch.ones(2, 3))
