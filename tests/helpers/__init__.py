@@ -7,6 +7,7 @@
 - ``grpo``: GRPOModule builders and runs, reward functions named by import path
   (``"tests.helpers.grpo:varied_reward"``), the reference-model and export runs.
 - ``distributed``: run a function on 2 gloo processes; a subprocess's environment.
+- ``rollouts``: synthetic rollout batches of chosen lengths and their micro-batching settings.
 
 A builder lives here when more than one test file uses it, or when several test files had
 one of the same name (each then has a name that says how it differs). A file's own
