@@ -102,16 +102,19 @@ def replay_rollouts(model, input_ids, prompt_tokens: int, *, num_generations: in
     return Replay(RolloutBatch(rollouts, mask, rollouts.rollout_logprobs[:, 1:], advantages), num_generations)
 
 
-def micro_batching(completion_tokens: int, *, micro_batch_size: int = 1, logprob_chunk: int | None = None):
+def micro_batching(completion_tokens: int, *, micro_batch_size: int = 1, logprob_chunk: int | None = None,
+                   micro_batch_tokens: int | None = None):
     """GRPOModule's defaults (loss ``LossConfig()``: grpo; sampling temperature 1; no
-    truncated importance sampling, as with the HF engine) but for the micro-batch size and
-    the log-prob chunk, which each benchmark sets."""
+    truncated importance sampling, as with the HF engine) but for the micro-batch size (or
+    ``micro_batch_tokens``: packed micro-batches) and the log-prob chunk, which each
+    benchmark sets."""
     from lightning_logra.rl.batch import MicroBatching
     from lightning_logra.rl.config import LossConfig
     from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE
 
     return MicroBatching(loss=LossConfig(), micro_batch_size=micro_batch_size, temperature=1.0,
-                         chunk_size=logprob_chunk or DEFAULT_CHUNK_SIZE, max_completion_length=completion_tokens, tis=False)
+                         chunk_size=logprob_chunk or DEFAULT_CHUNK_SIZE, max_completion_length=completion_tokens, tis=False,
+                         micro_batch_tokens=micro_batch_tokens)
 
 
 # --- one mode, one step -----------------------------------------------------------------------
@@ -197,7 +200,8 @@ class Runner:
             generations = replay.num_generations if count % replay.num_generations == 0 else 1
             with self.hooks.context(), record_function(RANGES["optimizer_step"]):
                 report = self.logra.step(
-                    probe=batch.probe_batch(rows, num_generations=generations, temperature=settings.temperature),
+                    probe=batch.probe_batch(rows, num_generations=generations, temperature=settings.temperature,
+                                            packed=settings.micro_batch_tokens is not None),
                     logprob_pairs=batch.logprob_pairs(rows, trainer_logprobs), normalization_tokens=1.0)
             seconds = clock.lap()
             if report.skipped:  # a skipped step changed nothing: its times measure nothing

@@ -56,6 +56,9 @@ class ProbeBatch:
     ``logits_mask[:, t]`` marks the distribution that generated token t+1 (for completions:
     the completion mask shifted left by one). ``temperature`` is the sampling temperature
     the responses were drawn at. ``position_ids``, when given, are passed to the model.
+    ``packed``: each forward lays its rows' real tokens end to end in one row, position ids
+    restarting at 0 per row (the given ones when set) and no attention mask, so that the
+    model computes no padding (transformers derives each row's mask from the positions).
     """
 
     input_ids: torch.Tensor
@@ -63,10 +66,12 @@ class ProbeBatch:
     logits_mask: torch.Tensor
     position_ids: torch.Tensor | None = None
     temperature: float = 1.0
+    packed: bool = False
 
     @classmethod
     def from_mapping(cls, values: Mapping) -> ProbeBatch:
-        """From its dict form (``input_ids``, ``attention_mask``, ``logits_mask``, optional ``position_ids`` and ``temperature``)."""
+        """From its dict form (``input_ids``, ``attention_mask``, ``logits_mask``; optional
+        ``position_ids``, ``temperature`` and ``packed``)."""
         if isinstance(values, ProbeBatch):
             return values
         missing = {"input_ids", "attention_mask", "logits_mask"} - set(values)
@@ -78,6 +83,7 @@ class ProbeBatch:
             logits_mask=values["logits_mask"].to(torch.bool),
             position_ids=values.get("position_ids"),
             temperature=float(values.get("temperature", 1.0)),
+            packed=bool(values.get("packed", False)),
         )
 
     @classmethod
@@ -117,14 +123,19 @@ class ProbeBatch:
     def packed_groups(self, max_tokens: int | None) -> list[list[int]]:
         """Rows packed into forwards: consecutive rows share one (right-padded) forward while
         rows x longest stays within the tokens of one full row (``max_tokens``, or the
-        longest row when None). Short responses then run as one batch, which is several
-        times faster than one small forward each, and no forward is larger than one row."""
+        longest row when None); with ``packed``, while their tokens do. Short responses then
+        run as one batch, which is several times faster than one small forward each, and no
+        forward is larger than one row."""
         lengths = [stop - start for start, stop in (self._span(row, max_tokens) for row in range(self.rows))]
         budget = max_tokens if max_tokens is not None else max(lengths)
         groups: list[list[int]] = []
         longest = 0
         for row, length in enumerate(lengths):
-            if groups and (len(groups[-1]) + 1) * max(longest, length) <= budget:
+            if self.packed:
+                fits = bool(groups) and sum(lengths[r] for r in groups[-1]) + length <= budget
+            else:
+                fits = bool(groups) and (len(groups[-1]) + 1) * max(longest, length) <= budget
+            if fits:
                 groups[-1].append(row)
                 longest = max(longest, length)
             else:
@@ -134,8 +145,10 @@ class ProbeBatch:
 
     def packed_inputs(self, rows: Sequence[int], max_tokens: int | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """``row_inputs`` of several rows, right-padded to the longest into one batch
-        (padding is masked out and never scored)."""
+        (padding is masked out and never scored); with ``packed``, end to end in one row."""
         parts = [self.row_inputs(row, max_tokens) for row in rows]
+        if self.packed:
+            return _packed_row(parts)
         if len(parts) == 1:
             return parts[0]
         longest = max(scored.shape[1] for _, scored in parts)
@@ -155,6 +168,16 @@ class ProbeBatch:
         if max_tokens is not None:
             stop = min(stop, start + max_tokens)
         return start, stop
+
+
+def _packed_row(parts: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Single-row inputs laid end to end, each row's positions its own (0-based when not given)."""
+    positions = [part.get("position_ids", torch.arange(part["input_ids"].shape[1], device=part["input_ids"].device)
+                          .unsqueeze(0)) for part, _ in parts]
+    # Without a cache: transformers reads packed positions only when no cache is built.
+    inputs = {"input_ids": torch.cat([part["input_ids"] for part, _ in parts], dim=1),
+              "position_ids": torch.cat(positions, dim=1), "use_cache": False}
+    return inputs, torch.cat([scored for _, scored in parts], dim=1)
 
 
 def probe_predicted_kl(

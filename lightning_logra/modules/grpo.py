@@ -28,10 +28,16 @@ from lightning_logra.modules.completions import completion_table, log_completion
 from lightning_logra.modules.prompt_checks import check_answer_column, drop_prompts_past_positions, warn_if_unscored
 from lightning_logra.rewards.runner import RewardRunner, RewardScores
 from lightning_logra.rollout.base import RolloutEngine
-from lightning_logra.rl.batch import BACKWARD_HINT, MicroBatching, RolloutBatch, backward_micro_batches
+from lightning_logra.rl.batch import (
+    BACKWARD_HINT,
+    MicroBatching,
+    RolloutBatch,
+    backward_micro_batches,
+    batch_logprobs,
+)
 from lightning_logra.rl.collectives import any_rank, gather_ranks
 from lightning_logra.rl.config import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
-from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE, sequence_logprobs
+from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE
 from lightning_logra.rl.losses import NonFiniteRewards, RunningBaseline, group_advantages
 from lightning_logra.rl.metrics import PassTotals, PhaseClock, step_metrics
 from lightning_logra.rl.sampling import (
@@ -60,8 +66,9 @@ class GRPOModule(L.LightningModule):
     ``model`` is a hub id, a local folder, or the offline built-in
     ``"smollm2-135m-instruct"``. Batches are ``{"prompt_text": [...], "prompt": [...],
     "answer": [...], <other columns>: [...]}`` (see ``PromptDataModule``); reward functions
-    follow TRL's ``fn(completions, **columns)``. ``micro_batch_size`` rollouts go through each
-    forward/backward; log-probs are computed in chunks of ``logprob_chunk_positions``
+    follow TRL's ``fn(completions, **columns)``. ``micro_batch_size`` rollouts (or, packed,
+    ``micro_batch_tokens`` real tokens) go through each forward/backward; log-probs are
+    computed in chunks of ``logprob_chunk_positions``
     positions, so full-vocabulary logits of a whole micro-batch never exist.
 
     Each rollout batch trains ``num_iterations`` passes of ``mini_batches`` optimizer steps
@@ -92,6 +99,18 @@ class GRPOModule(L.LightningModule):
         reward_max_consecutive_timeouts: batches in a row on which one reward function may
             time out before the run stops with an error naming it (each timeout of a function
             run in a thread leaves that thread behind).
+        micro_batch_size: rollouts per forward/backward, left-padded to the longest (the
+            default way to micro-batch); also the rows per no-grad forward of the old and
+            reference log-probs.
+        micro_batch_tokens: instead of ``micro_batch_size``, group rollouts into
+            micro-batches of at most this many real tokens (prompt + completion; first-fit
+            decreasing) and run each as one packed row whose position ids restart per
+            sequence: no padding token is computed in the policy's forward/backward, the
+            old and reference log-probs, or LoGRA's KL probe. Log-probs, losses and
+            gradients equal the padded computation's (to float rounding). A sequence longer
+            than the budget runs alone (one warning names the budget). Needs a model whose
+            attention follows packed ``position_ids`` with no attention mask (transformers'
+            sdpa, eager and flash-attention implementations do). None: ``micro_batch_size``.
         lora: train LoRA adapters of this shape (peft) instead of the full weights (dense or
             LoRA baseline); None trains the full weights.
         activation_checkpointing: recompute each decoder layer's activations in backward
@@ -114,6 +133,7 @@ class GRPOModule(L.LightningModule):
         reward_max_consecutive_timeouts: int = 3,
         lora: LoRAConfig | None = None,
         micro_batch_size: int = 4,
+        micro_batch_tokens: int | None = None,
         num_iterations: int = 1,
         mini_batches: int = 1,
         log_completions_every: int = 0,
@@ -136,7 +156,7 @@ class GRPOModule(L.LightningModule):
         generations, engine = self.rollout_config.num_generations, self.rollout_config.engine
         check = FieldChecks("GRPOModule", {
             "reward_timeout_s": reward_timeout_s, "reward_max_consecutive_timeouts": reward_max_consecutive_timeouts,
-            "micro_batch_size": micro_batch_size,
+            "micro_batch_size": micro_batch_size, "micro_batch_tokens": micro_batch_tokens,
             "num_iterations": num_iterations, "mini_batches": mini_batches,
             "log_completions_every": log_completions_every, "log_completions_count": log_completions_count,
             "activation_checkpointing": activation_checkpointing, "logprob_chunk_positions": logprob_chunk_positions,
@@ -146,6 +166,7 @@ class GRPOModule(L.LightningModule):
         check.number("reward_timeout_s", above=0)
         check.integer("reward_max_consecutive_timeouts", at_least=1)
         check.integer("micro_batch_size", at_least=1)
+        check.integer("micro_batch_tokens", at_least=1, optional=True)
         check.integer("num_iterations", at_least=1)
         check.integer("mini_batches", at_least=1)
         check.integer("log_completions_every", at_least=0)
@@ -160,6 +181,7 @@ class GRPOModule(L.LightningModule):
         check.require("rollout.engine", lora is None or engine != "vllm",
                       "'hf' with lora: vLLM would need merged weights")
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
         self.num_iterations = num_iterations
         self.mini_batches = mini_batches
         self.log_completions_every = log_completions_every
@@ -208,7 +230,8 @@ class GRPOModule(L.LightningModule):
         batch, rows, trainer_logprobs = self._stepping
         return LoGRAStepInputs(
             probe=batch.probe_batch(rows, num_generations=self.rollout_config.num_generations,
-                                    temperature=self.rollout_config.temperature),
+                                    temperature=self.rollout_config.temperature,
+                                    packed=self.micro_batch_tokens is not None),
             logprob_pairs=batch.logprob_pairs(rows, trainer_logprobs),
             record_low_rank=self.rollout_config.weight_sync == "lowrank",
         )
@@ -242,7 +265,8 @@ class GRPOModule(L.LightningModule):
         rollout_batch = RolloutBatch(rollouts, mask, rollouts.rollout_logprobs[:, 1:], advantages)
         if self.reference is not None:
             with torch.no_grad(), memory_phase("backward", BACKWARD_HINT):
-                rollout_batch.reference_logprobs = self._logprobs(self.reference, input_ids, attention_mask)
+                rollout_batch.reference_logprobs = batch_logprobs(self.reference, input_ids, attention_mask,
+                                                                  self._micro_batching)
             if hasattr(self.reference, "reshard"):
                 # FSDP2 keeps a root module's gathered weights after a forward that no backward
                 # follows; the reference's embeddings and head would stay whole all step.
@@ -251,7 +275,7 @@ class GRPOModule(L.LightningModule):
         if self.num_iterations * self.mini_batches > 1:
             # The PPO ratio's denominator: the weights that sampled, before the first update.
             with torch.no_grad(), memory_phase("backward", BACKWARD_HINT):
-                rollout_batch.old_logprobs = self._logprobs(self.policy, input_ids, attention_mask)
+                rollout_batch.old_logprobs = batch_logprobs(self.policy, input_ids, attention_mask, self._micro_batching)
             phases.lap("old_logprobs")
 
         passes = PassTotals.zeros(self.device)
@@ -306,7 +330,8 @@ class GRPOModule(L.LightningModule):
     def _micro_batching(self) -> MicroBatching:
         return MicroBatching(loss=self.loss_config, micro_batch_size=self.micro_batch_size,
                              temperature=self.rollout_config.temperature, chunk_size=self.logprob_chunk_positions,
-                             max_completion_length=self.rollout_config.max_new_tokens, tis=self._tis)
+                             max_completion_length=self.rollout_config.max_new_tokens, tis=self._tis,
+                             micro_batch_tokens=self.micro_batch_tokens)
 
     def _keep_low_rank_update(self) -> None:
         """The low-rank form of the LoGRA update that just ran (``[]`` when it was skipped),
@@ -412,18 +437,6 @@ class GRPOModule(L.LightningModule):
             runner = self.reward_runner
             functions = ", ".join(f"{name!r} (weight {weight})" for name, weight in zip(runner.names, runner.weights))
             raise NonFiniteRewards(f"{error}: scale down the rewards of {functions}") from None
-
-    def _logprobs(self, model, input_ids, attention_mask, entropy: bool = False):
-        """One call with grad (a micro-batch); micro-batched without (a whole rollout batch)."""
-        if torch.is_grad_enabled():
-            return sequence_logprobs(model, input_ids, attention_mask, temperature=self.rollout_config.temperature,
-                                     chunk_size=self.logprob_chunk_positions, return_entropy=entropy)
-        parts = [
-            sequence_logprobs(model, input_ids[s : s + self.micro_batch_size], attention_mask[s : s + self.micro_batch_size],
-                              temperature=self.rollout_config.temperature, chunk_size=self.logprob_chunk_positions)
-            for s in range(0, input_ids.shape[0], self.micro_batch_size)
-        ]
-        return torch.cat(parts)
 
     # Validation: pass@1 and pass@n over n samples per prompt ----------------------------------
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:

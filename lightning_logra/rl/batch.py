@@ -17,15 +17,16 @@ from torch import nn
 from lightning_logra.core.kl import LogprobPairs
 from lightning_logra.core.probe import ProbeBatch
 from lightning_logra.core.reliability import memory_phase
-from lightning_logra.rl.collectives import global_counts
+from lightning_logra.rl.collectives import global_counts, max_over_ranks
 from lightning_logra.rl.config import LossConfig
-from lightning_logra.rl.logprobs import sequence_logprobs
+from lightning_logra.rl.logprobs import packed_sequence_logprobs, sequence_logprobs
 from lightning_logra.rl.losses import micro_batch_loss, normalised_per_token
 from lightning_logra.rl.metrics import PassTotals
+from lightning_logra.rl.packing import row_micro_batches, token_micro_batches
 from lightning_logra.rollout.base import Rollouts
 
 # What shrinks the forward/backward's memory, for the error an out-of-memory there raises.
-BACKWARD_HINT = "micro_batch_size, activation_checkpointing=true, logprob_chunk_positions"
+BACKWARD_HINT = "micro_batch_size (or micro_batch_tokens), activation_checkpointing=true, logprob_chunk_positions"
 
 
 @dataclass
@@ -46,10 +47,11 @@ class RolloutBatch:
     reference_logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
 
-    def probe_batch(self, rows: slice, *, num_generations: int, temperature: float) -> ProbeBatch:
+    def probe_batch(self, rows: slice, *, num_generations: int, temperature: float, packed: bool = False) -> ProbeBatch:
         """The rows' responses for LoGRA's KL probe, scored at the positions that generated
-        their tokens, at the sampling temperature. Rows come one per prompt first (then each
-        prompt's second sample, ...), so the probe's first responses answer different prompts."""
+        their tokens, at the sampling temperature (``packed``: see ``ProbeBatch``). Rows come
+        one per prompt first (then each prompt's second sample, ...), so the probe's first
+        responses answer different prompts."""
         rollouts = self.rollouts
         attention_mask = rollouts.attention_mask[rows]
         logits_mask = torch.zeros_like(attention_mask, dtype=torch.bool)
@@ -62,6 +64,7 @@ class RolloutBatch:
             logits_mask=logits_mask[order],
             position_ids=(attention_mask.long().cumsum(-1) - 1).clamp(min=0)[order],
             temperature=float(temperature),
+            packed=packed,
         )
 
     def logprob_pairs(self, rows: slice, trainer_logprobs: torch.Tensor) -> LogprobPairs:
@@ -72,9 +75,11 @@ class RolloutBatch:
 
 @dataclass(frozen=True)
 class MicroBatching:
-    """How one update's rows go through forward/backward: ``micro_batch_size`` rows at a time,
-    log-probs at ``temperature`` in chunks of ``chunk_size`` positions, the loss of
-    ``loss`` (``tis``: truncated importance sampling in the clipped losses)."""
+    """How one update's rows go through forward/backward: ``micro_batch_size`` rows at a time
+    (left-padded), or with ``micro_batch_tokens`` rows of at most that many real tokens
+    together as one packed row; log-probs at ``temperature`` in chunks of ``chunk_size``
+    positions, the loss of ``loss`` (``tis``: truncated importance sampling in the clipped
+    losses)."""
 
     loss: LossConfig
     micro_batch_size: int
@@ -82,6 +87,34 @@ class MicroBatching:
     chunk_size: int
     max_completion_length: int
     tis: bool
+    micro_batch_tokens: int | None = None
+
+    def micro_batches(self, attention_mask: torch.Tensor, rows: slice) -> list[torch.Tensor]:
+        """The rows ``rows`` of a padded batch, as index tensors one per micro-batch."""
+        if self.micro_batch_tokens is None:
+            return row_micro_batches(rows, self.micro_batch_size, attention_mask.device)
+        return token_micro_batches(attention_mask, rows, self.micro_batch_tokens)
+
+    def logprobs(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 return_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch's ``B x (T-1)`` log-probs: packed with ``micro_batch_tokens``, else padded."""
+        compute = sequence_logprobs if self.micro_batch_tokens is None else packed_sequence_logprobs
+        return compute(model, input_ids, attention_mask, temperature=self.temperature, chunk_size=self.chunk_size,
+                       return_entropy=return_entropy)
+
+
+def batch_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   settings: MicroBatching) -> torch.Tensor:
+    """Log-probs of a whole padded batch (no grad: old or reference log-probs), micro-batched
+    as training is; every rank runs as many forwards as the rank with the most (FSDP2)."""
+    parts = settings.micro_batches(attention_mask, slice(0, input_ids.shape[0]))
+    logprobs = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1, device=input_ids.device)
+    for index in range(max_over_ranks(len(parts), input_ids.device)):
+        part = parts[min(index, len(parts) - 1)]
+        values = settings.logprobs(model, input_ids[part], attention_mask[part])
+        if index < len(parts):
+            logprobs[part] = values
+    return logprobs
 
 
 def backward_micro_batches(
@@ -99,32 +132,45 @@ def backward_micro_batches(
     ``passes``. Returns the rows' detached trainer log-probs, or None (and runs nothing)
     when no rank has a token to train on there."""
     mask = batch.mask
-    row_count, tokens = global_counts(mask[rows])
-    if tokens == 0:
+    totals = global_counts(mask[rows])
+    if totals[2] == 0:
         return None
     input_ids, attention_mask = batch.rollouts.input_ids, batch.rollouts.attention_mask
-    parts = []
-    for start in range(rows.start, rows.stop, settings.micro_batch_size):
-        part = slice(start, min(start + settings.micro_batch_size, rows.stop))
+    parts = settings.micro_batches(attention_mask, rows)
+    trained = torch.zeros(rows.stop - rows.start, input_ids.shape[1] - 1, device=input_ids.device)
+    for index in range(max_over_ranks(len(parts), input_ids.device)):
+        part = parts[min(index, len(parts) - 1)]
         with memory_phase("backward", BACKWARD_HINT):
-            logprobs, entropy = sequence_logprobs(policy, input_ids[part], attention_mask[part],
-                                                  temperature=settings.temperature, chunk_size=settings.chunk_size,
-                                                  return_entropy=True)
-        parts.append(logprobs.detach())
-        if not mask[part].any():
-            # Every completion here is masked, but other micro-batches (ranks) train: a zero
-            # loss keeps this backward, and FSDP2's collectives, in step with theirs.
-            loss, stats, weight = torch.where(mask[part], logprobs, 0.0).sum(), {}, 0.0
-        else:
-            old = parts[-1] if batch.old_logprobs is None else batch.old_logprobs[part]
-            loss, stats = micro_batch_loss(
-                settings.loss, logprobs, old, batch.rollout_logprobs[part], batch.advantages[part], mask[part],
-                None if batch.reference_logprobs is None else batch.reference_logprobs[part],
-                max_completion_length=settings.max_completion_length, tis=settings.tis)
-            # Each part's loss is normalised over its own tokens (rows); reweight so that the sum
-            # over parts and ranks is the update-wide mean (data parallelism averages).
-            weight = mask[part].sum() / tokens if normalised_per_token(settings.loss) else (logprobs.shape[0] / row_count)
+            logprobs, entropy = settings.logprobs(policy, input_ids[part], attention_mask[part], return_entropy=True)
+        if index >= len(parts) or not mask[part].any():
+            # Nothing to train on here (this rank's micro-batches ran out, or every completion
+            # is masked) while other micro-batches (ranks) train: a zero loss keeps this
+            # backward, and FSDP2's collectives, in step with theirs.
+            with memory_phase("backward", BACKWARD_HINT):
+                backward(torch.where(mask[part], logprobs, 0.0).sum() * 0.0)
+            if index < len(parts):
+                trained[part - rows.start] = logprobs.detach()
+                passes.add(entropy, mask[part], {})
+            continue
+        trained[part - rows.start] = logprobs.detach()
+        old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs[part]
+        loss, stats = micro_batch_loss(
+            settings.loss, logprobs, old, batch.rollout_logprobs[part], batch.advantages[part], mask[part],
+            None if batch.reference_logprobs is None else batch.reference_logprobs[part],
+            max_completion_length=settings.max_completion_length, tis=settings.tis)
+        weight = _part_weight(settings.loss, mask[part], totals)
         with memory_phase("backward", BACKWARD_HINT):
             backward(loss * weight * world)
         passes.add(entropy, mask[part], stats)
-    return torch.cat(parts)
+    return trained
+
+
+def _part_weight(loss: LossConfig, mask: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
+    """Each part's loss is a mean over its own tokens, rows with tokens (sequence means) or
+    rows (Dr. GRPO's constant): this weight makes the sum over parts and ranks the
+    update-wide mean, whichever rows share a part (data parallelism averages)."""
+    if normalised_per_token(loss):
+        return mask.sum() / totals[2]
+    if loss.type == "dr_grpo":
+        return mask.shape[0] / totals[0]
+    return mask.any(dim=1).sum() / totals[1]

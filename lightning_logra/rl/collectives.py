@@ -19,12 +19,14 @@ def gather_ranks(values: torch.Tensor) -> torch.Tensor:
     return gathered
 
 
-def global_counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows and masked tokens summed over ranks: the normalisers of a data-parallel mean."""
-    counts = torch.stack([torch.tensor(float(mask.shape[0]), device=mask.device), mask.sum().float()])
+def global_counts(mask: torch.Tensor) -> torch.Tensor:
+    """Rows, rows with a masked token, and masked tokens, each summed over ranks: the
+    normalisers of a data-parallel mean (per sequence, per row with tokens, per token)."""
+    counts = torch.stack([torch.tensor(float(mask.shape[0]), device=mask.device), mask.any(dim=1).sum().float(),
+                          mask.sum().float()])
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(counts)
-    return counts[0], counts[1]
+    return counts
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:
@@ -34,3 +36,12 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     value = torch.tensor([float(flag)], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
+
+
+def max_over_ranks(count: int, device: torch.device) -> int:
+    """The largest ``count`` over ranks (``count`` itself on one process)."""
+    if not _distributed():
+        return count
+    value = torch.tensor([count], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())

@@ -90,17 +90,75 @@ def sequence_logprobs(
     Returns float32 ``B x (T-1)`` (and the entropies with ``return_entropy``). Position ids
     follow the attention mask, as in ``generate``, so left-padded rows score exactly as
     they were sampled. Values at padding positions are meaningless: mask them.
-
-    Hooks on ``model.get_output_embeddings()`` compute the log-probs inside the model's
-    own forward from the head's input, while the head sees a single position. Running
-    inside the forward keeps FSDP2's unsharded head weight valid and makes the result the
-    model output, so FSDP2's pre-backward hook re-gathers the weight before backward.
     """
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be "
             "B x T with T >= 2"
         )
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    return _logprobs_in_forward(model, inputs, None, input_ids[:, 1:], temperature=temperature,
+                                chunk_size=chunk_size, return_entropy=return_entropy)
+
+
+def packed_sequence_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``sequence_logprobs`` of the same padded rows, computed as one packed row of their
+    real tokens: no padding position runs through the model or its head.
+
+    The rows' real tokens (contiguous in each row) are laid end to end with position ids
+    restarting at 0 per sequence and no attention mask, from which transformers derives
+    each sequence's own causal mask (``find_packed_sequence_indices``). Returns the padded
+    ``B x (T-1)`` layout, 0 at the positions that predict no real token of the same row."""
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be "
+            "B x T with T >= 2"
+        )
+    real = attention_mask.bool()
+    lengths = real.sum(dim=1)
+    first = real.long().argmax(dim=1)
+    last = real.shape[1] - 1 - real.long().flip(1).argmax(dim=1)
+    gapped = (lengths > 0) & (last - first + 1 != lengths)
+    if gapped.any():
+        raise ValueError(f"attention_mask row {int(gapped.nonzero()[0])} has padding between real tokens: "
+                         "packing needs each row's real tokens contiguous")
+    rows, columns = real.nonzero(as_tuple=True)  # row-major: the packed order
+    packed_ids = input_ids[rows, columns].unsqueeze(0)
+    starts = torch.cumsum(lengths, 0) - lengths
+    position_ids = (torch.arange(rows.numel(), device=rows.device) - starts[rows]).unsqueeze(0)
+    # Packed token j predicts token j + 1 where both belong to the same row, i.e. where the
+    # next column of the padded row is real: the padded layout's scored positions.
+    next_column = (columns + 1).clamp(max=real.shape[1] - 1)
+    scored = ((columns + 1 < real.shape[1]) & real[rows, next_column])[:-1]
+    inputs = {"input_ids": packed_ids, "position_ids": position_ids}
+    values = _logprobs_in_forward(model, inputs, scored, packed_ids[0, 1:][scored], temperature=temperature,
+                                  chunk_size=chunk_size, return_entropy=return_entropy)
+    where = (rows[:-1][scored], columns[:-1][scored])
+
+    def padded(packed: torch.Tensor) -> torch.Tensor:
+        return packed.new_zeros(input_ids.shape[0], input_ids.shape[1] - 1).index_put(where, packed)
+
+    return tuple(padded(v) for v in values) if return_entropy else padded(values)
+
+
+def _logprobs_in_forward(model, inputs, scored, targets, *, temperature, chunk_size, return_entropy):
+    """The model's forward on ``inputs`` with the head replaced by ``token_logprobs`` of
+    ``targets`` at the positions ``scored`` selects among ``hidden[:, :-1]`` (all when None).
+
+    Hooks on ``model.get_output_embeddings()`` compute the log-probs inside the model's
+    own forward from the head's input, while the head sees a single position. Running
+    inside the forward keeps FSDP2's unsharded head weight valid and makes the result the
+    model output, so FSDP2's pre-backward hook re-gathers the weight before backward.
+    """
     if getattr(model.config, "final_logit_softcapping", None):
         raise ValueError("models with final_logit_softcapping are not supported: the head output is rescaled")
     head = model.get_output_embeddings()
@@ -111,23 +169,23 @@ def sequence_logprobs(
         return (args[0][:, -1:],)
 
     def replace_logits(module, args, output):
+        hidden = captured.pop("hidden")[:, :-1]
         scores = token_logprobs(
-            captured.pop("hidden")[:, :-1],
+            hidden if scored is None else hidden[0, scored],
             module.weight,
             module.bias,
-            input_ids[:, 1:],
+            targets,
             temperature=temperature,
             chunk_size=chunk_size,
             return_entropy=return_entropy,
         )
         return torch.stack(scores, dim=-1) if return_entropy else scores
 
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     pre_handle = head.register_forward_pre_hook(keep_one_position)
     # prepend: run before FSDP2's post-forward hook reshards the head weight.
     post_handle = head.register_forward_hook(replace_logits, prepend=True)
     try:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        out = model(**inputs, use_cache=False)
     finally:
         pre_handle.remove()
         post_handle.remove()

@@ -9,6 +9,7 @@
 - ``distributed``: run a function on 2 gloo processes; a subprocess's environment.
 - ``chaos_rewards``: reward functions that misbehave in every way RewardRunner must survive
   (hang, hold the GIL, raise, wrong length, NaN, past float32, generators, non-lists).
+- ``rollouts``: synthetic rollout batches of chosen lengths and their micro-batching settings.
 
 A builder lives here when more than one test file uses it, or when several test files had
 one of the same name (each then has a name that says how it differs). A file's own

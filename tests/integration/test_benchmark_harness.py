@@ -53,6 +53,19 @@ def test_memory_smoke_run_measures_each_mode_in_its_own_process(tmp_path):
     assert "Smoke run on a tiny model" in (tmp_path / "memory.md").read_text()
 
 
+def test_packing_smoke_run_times_padded_and_packed_steps_side_by_side(tmp_path):
+    run("packing", "--smoke", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "packing.json").read_text())
+    assert result["smoke"] is True and result["command"].startswith("python -m benchmarks.packing")
+    assert sorted(result["samples"]) == ["packed", "padded"] and result["micro_batches"]["padded"] == 2
+    tokens = result["tokens_computed"]
+    assert tokens["packed"] == tokens["real"] < tokens["padded"] == tokens["padded_batch"]
+    assert result["tokens_equal_real"] is True and result["packed_over_padded"] > 0
+    assert result["medians_s"]["packed"]["kl_probe"] > 0
+    table = (tmp_path / "packing.md").read_text()
+    assert "Smoke run on a tiny model" in table and "Packed / padded step" in table
+
+
 def test_smoke_runs_refuse_to_overwrite_the_committed_results():
     completed = subprocess.run([sys.executable, "-m", "benchmarks.speed", "--smoke"], cwd=ROOT, capture_output=True,
                                text=True, timeout=120)

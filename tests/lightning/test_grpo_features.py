@@ -62,6 +62,30 @@ def test_each_mini_batch_is_one_logra_update_seen_by_the_kl_controller(model_fol
     assert len(reports) == 4 and all(r.alpha is not None and r.budget is not None and not r.skipped for r in reports)
 
 
+def packed_or_padded_step(folder, **micro_batching) -> dict[str, float]:
+    """The metrics of one logra_fsdp step with a KL reference and two updates (old
+    log-probs), and whether every update's KL probe was packed."""
+    grpo = grpo_module(folder, num_iterations=2, loss=LossConfig(kl_coef=0.1), **micro_batching)
+    probes = []
+
+    class Probes(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            probes.append(pl_module.logra_step_inputs().probe.packed)
+
+    strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
+    _, logged = fit_grpo(grpo, folder, steps=2, strategy=strategy, callbacks=[LoGRACallback(), Probes()])
+    return {**logged[0], "probe_packed": float(all(probes))}
+
+
+def test_micro_batches_by_tokens_train_as_the_padded_ones_do(model_folder):
+    padded = packed_or_padded_step(model_folder, micro_batch_size=2)
+    packed = packed_or_padded_step(model_folder, micro_batch_tokens=64)
+    for key in ("policy/kl", "policy/clip_fraction", "policy/entropy", "policy/rollout_trainer_logprob_gap",
+                "reward/mean"):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-7), key
+    assert packed["probe_packed"] == 1.0 and padded["probe_packed"] == 0.0
+
+
 def test_mini_batches_must_divide_the_prompts(model_folder):
     grpo = grpo_module(model_folder, mini_batches=3, rewards=rewards("varied_reward"))
     with pytest.raises(ValueError, match="mini_batches = 3 must divide the 2 prompts"):

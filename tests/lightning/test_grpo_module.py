@@ -154,6 +154,7 @@ def test_invalid_settings_name_the_field(model_folder):
 
 @pytest.mark.parametrize(("argument", "value", "allowed"), [
     ("micro_batch_size", True, "an integer >= 1"),
+    ("micro_batch_tokens", 0, "an integer >= 1 or None"),
     ("num_iterations", 0, "an integer >= 1"),
     ("log_completions_every", -1, "an integer >= 0"),
     ("logprob_chunk_positions", 0, "an integer >= 1"),
