@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -22,7 +21,7 @@ from lightning_logra.core.report import StepReport
 from lightning_logra.core.sketch import is_target_name
 from lightning_logra.hooks import ProvidesFrozenModels, ProvidesLoGRAModel, found_hooks, step_inputs
 from lightning_logra.notices import quiet_lightning_pytree_notice
-from lightning_logra.strategies import atomic
+from lightning_logra.strategies import atomic, logra_state
 from lightning_logra.strategies.checkpoint import (
     load_folder,
     require_folder,
@@ -30,7 +29,6 @@ from lightning_logra.strategies.checkpoint import (
 )
 
 REFUSED_PRECISIONS = ("16-mixed", "16", "16-true", "transformer-engine", "transformer-engine-float16")
-LOGRA_FOLDER = "logra"  # LoGRA's state inside a checkpoint folder: its own DCP checkpoint
 
 
 def policy_module(root: nn.Module, target_modules: list[str]) -> nn.Module:
@@ -177,25 +175,17 @@ class LoGRARuntime:
         self.last_report = report
         return report
 
-    # Checkpoints: LoGRA's state is a DCP checkpoint of its own in <checkpoint>/logra, the
-    # same for Trainer and Fabric; tensors only (DCP's own .metadata file is still a pickle).
-    def save_state(self, folder: Path) -> None:
-        dcp.save({"logra": self._require_optimizer()}, checkpoint_id=Path(folder) / LOGRA_FOLDER)
+    # Checkpoints: LoGRA's state is <checkpoint>/logra/state.safetensors (``logra_state``),
+    # the same for Trainer and Fabric; reading it unpickles nothing.
+    def save_state(self, folder: Path, *, rank: int) -> None:
+        logra_state.write_state(folder, self._require_optimizer().state_dict(), rank=rank)
 
     def read_state(self, folder: Path) -> dict[str, Any]:
         """LoGRA's saved state, checked against this run (a structural mismatch raises
         here, before the caller loads any other state). Nothing is applied yet."""
-        location = Path(folder) / LOGRA_FOLDER
-        if not (location / ".metadata").is_file():
-            raise ValueError(f"{folder} is not a LoGRA checkpoint: it has no LoGRA state ({LOGRA_FOLDER}/)")
-        template = _empty_like(self._require_optimizer().state_dict())
-        saved = dcp.FileSystemReader(location).read_metadata().state_dict_metadata
-        for key in ("config", "layers"):  # JSON byte strings: their saved lengths decide
-            template[key] = torch.empty(tuple(saved[f"logra.{key}"].size), dtype=torch.uint8)
-        loaded = {"logra": template}
-        dcp.load(loaded, checkpoint_id=location)
-        self.optimizer.check_state(loaded["logra"])
-        return loaded["logra"]
+        state = logra_state.read_state(folder, self._require_optimizer().state_dict())
+        self.optimizer.check_state(state)
+        return state
 
     def load_state(self, state: dict[str, Any]) -> None:
         self._require_optimizer().load_state_dict(state)
@@ -263,7 +253,7 @@ class LoGRAStrategyMixin:
 
         def write(folder: Path) -> None:
             save_folder(folder, tensors, metadata, rank=self.global_rank)
-            self.runtime.save_state(folder)
+            self.runtime.save_state(folder, rank=self.global_rank)
 
         self._write_atomically(path, write)
 
@@ -330,9 +320,3 @@ class LoGRAStrategyMixin:
         error = self.broadcast(error)
         if error is not None:
             raise error
-
-
-def _empty_like(state: Any) -> Any:
-    if isinstance(state, dict):
-        return {key: _empty_like(value) for key, value in state.items()}
-    return torch.empty_like(state)

@@ -65,7 +65,7 @@ def test_a_save_stopped_between_any_two_file_operations_resumes_to_the_same_weig
         if finished:
             break
         operation += 1
-    assert count["done"] >= 6  # DCP's two metadata renames, the marker, three protocol steps
+    assert count["done"] >= 5  # DCP's metadata rename (weights), the marker, three protocol steps
 
 
 @pytest.mark.parametrize("interrupted_after", ["marker", "retire"])
