@@ -25,6 +25,8 @@ from typing_extensions import override
 
 import lightning_logra  # noqa: F401  (registers the "logra_fsdp" strategy name)
 from lightning_logra.notices import quiet_lightning_console, quiet_lightning_pytree_notice
+from lightning_logra.strategies.atomic import recover_folder
+from lightning_logra.strategies.trainer import checkpoint_folders
 
 MLFLOW_LOGGER = "lightning.pytorch.loggers.MLFlowLogger"
 EXPORT_HELP = ("logra export --ckpt_path PATH --out DIR: write a checkpoint's policy as a Hugging Face folder "
@@ -148,6 +150,15 @@ class LoGRACLI(LightningCLI):
                 callbacks.append(Namespace(class_path=class_path, init_args=Namespace()))
         if callbacks:
             trainer["callbacks"] = callbacks
+
+    @override
+    def before_fit(self) -> None:
+        """Lightning resolves ``--ckpt_path=last`` and SLURM's ``hpc_ckpt_*`` before the
+        strategy's setup, so what a crash left mid-save is put back first (global rank 0;
+        processes Lightning launches start after it)."""
+        if self.trainer.global_rank == 0:
+            for folder in checkpoint_folders(self.trainer):
+                recover_folder(folder)
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from lightning_logra.core.config import DEFAULT_TARGET_MODULES
 from lightning_logra.core.validation import FieldChecks
 
@@ -183,3 +185,8 @@ class LoRAConfig:
         check.number("alpha", above=0)
         check.number("dropout", at_least=0, below=1)
         check.names("target_modules")
+
+
+# Plain dataclasses, safe to rebuild: checkpoints that hold them as hyper-parameters load
+# under torch.load's default weights_only=True, as Lightning passes it.
+torch.serialization.add_safe_globals([LossConfig, RolloutConfig, OptimizerConfig, LoRAConfig])

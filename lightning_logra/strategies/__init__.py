@@ -5,6 +5,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_logra.strategies.fabric import LoGRAFabricStrategy
+from lightning_logra.strategies.logra_state import convert_legacy_state
 from lightning_logra.strategies.trainer import LoGRAFSDPStrategy
 
 STRATEGY_NAME = "logra_fsdp"
@@ -15,4 +16,4 @@ if STRATEGY_NAME not in StrategyRegistry:
 if STRATEGY_NAME not in FABRIC_STRATEGY_REGISTRY:
     FABRIC_STRATEGY_REGISTRY.register(STRATEGY_NAME, LoGRAFabricStrategy, description=_DESCRIPTION)
 
-__all__ = ["STRATEGY_NAME", "LoGRAFSDPStrategy", "LoGRAFabricStrategy"]
+__all__ = ["STRATEGY_NAME", "LoGRAFSDPStrategy", "LoGRAFabricStrategy", "convert_legacy_state"]

@@ -1,8 +1,8 @@
 """A LoGRA checkpoint folder, written and read with public torch APIs only.
 
 The folder holds DCP shards of the modules' and optimizers' state dicts, Lightning's
-metadata file (``meta.pt``) with everything else, and LoGRA's own DCP checkpoint in
-``logra/`` (see ``LoGRARuntime``). ``torch.distributed.checkpoint.state_dict`` handles
+metadata file (``meta.pt``) with everything else, and LoGRA's own state in
+``logra/state.safetensors`` (see ``logra_state``). ``torch.distributed.checkpoint.state_dict`` handles
 FSDP2-sharded and plain modules alike and DCP reshards on load, so a checkpoint written
 on one device (plain weights) loads on several (FSDP2) and the other way round.
 """

@@ -98,7 +98,11 @@ class LoGRAFabricStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
                 f"{name} saves whole state dicts (a distributed checkpoint cannot load filtered ones): drop filter="
             )
         tensors, metadata = split_state(state, name)
-        self._save_folder(path, tensors, metadata)
+        try:
+            self._save_folder(path, tensors, metadata)
+        finally:
+            # Fabric has no teardown to release it at the end of a run: the lock covers each save.
+            self._on_rank_zero(self._release_writer_locks)
 
     @override
     def load_checkpoint(self, path, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:

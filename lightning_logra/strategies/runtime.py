@@ -5,14 +5,12 @@ call does the update."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -23,6 +21,7 @@ from lightning_logra.core.report import StepReport
 from lightning_logra.core.sketch import is_target_name
 from lightning_logra.hooks import ProvidesFrozenModels, ProvidesLoGRAModel, found_hooks, step_inputs
 from lightning_logra.notices import quiet_lightning_pytree_notice
+from lightning_logra.strategies import atomic, logra_state
 from lightning_logra.strategies.checkpoint import (
     load_folder,
     require_folder,
@@ -30,8 +29,6 @@ from lightning_logra.strategies.checkpoint import (
 )
 
 REFUSED_PRECISIONS = ("16-mixed", "16", "16-true", "transformer-engine", "transformer-engine-float16")
-LOGRA_FOLDER = "logra"  # LoGRA's state inside a checkpoint folder: its own DCP checkpoint
-PARTIAL_SUFFIX = ".partial"
 
 
 def policy_module(root: nn.Module, target_modules: list[str]) -> nn.Module:
@@ -178,25 +175,17 @@ class LoGRARuntime:
         self.last_report = report
         return report
 
-    # Checkpoints: LoGRA's state is a DCP checkpoint of its own in <checkpoint>/logra, the
-    # same for Trainer and Fabric; tensors only, so nothing in it is unpickled.
-    def save_state(self, folder: Path) -> None:
-        dcp.save({"logra": self._require_optimizer()}, checkpoint_id=Path(folder) / LOGRA_FOLDER)
+    # Checkpoints: LoGRA's state is <checkpoint>/logra/state.safetensors (``logra_state``),
+    # the same for Trainer and Fabric; reading it unpickles nothing.
+    def save_state(self, folder: Path, *, rank: int) -> None:
+        logra_state.write_state(folder, self._require_optimizer().state_dict(), rank=rank)
 
     def read_state(self, folder: Path) -> dict[str, Any]:
         """LoGRA's saved state, checked against this run (a structural mismatch raises
         here, before the caller loads any other state). Nothing is applied yet."""
-        location = Path(folder) / LOGRA_FOLDER
-        if not (location / ".metadata").is_file():
-            raise ValueError(f"{folder} is not a LoGRA checkpoint: it has no LoGRA state ({LOGRA_FOLDER}/)")
-        template = _empty_like(self._require_optimizer().state_dict())
-        saved = dcp.FileSystemReader(location).read_metadata().state_dict_metadata
-        for key in ("config", "layers"):  # JSON byte strings: their saved lengths decide
-            template[key] = torch.empty(tuple(saved[f"logra.{key}"].size), dtype=torch.uint8)
-        loaded = {"logra": template}
-        dcp.load(loaded, checkpoint_id=location)
-        self.optimizer.check_state(loaded["logra"])
-        return loaded["logra"]
+        state = logra_state.read_state(folder, self._require_optimizer().state_dict())
+        self.optimizer.check_state(state)
+        return state
 
     def load_state(self, state: dict[str, Any]) -> None:
         self._require_optimizer().load_state_dict(state)
@@ -217,6 +206,7 @@ class LoGRAStrategyMixin:
         self.logra_config = logra if logra is not None else LoGRAConfig()
         self.layer_classes = layer_classes
         self.runtime = LoGRARuntime(self.logra_config, train_non_targets=train_non_targets, measure_kl=measure_kl)
+        self._writer_locks: dict[Path, atomic.WriterLock] = {}
 
     @property
     def logra_optimizer(self) -> LoGRAOptimizer | None:
@@ -263,14 +253,15 @@ class LoGRAStrategyMixin:
 
         def write(folder: Path) -> None:
             save_folder(folder, tensors, metadata, rank=self.global_rank)
-            self.runtime.save_state(folder)
+            self.runtime.save_state(folder, rank=self.global_rank)
 
         self._write_atomically(path, write)
 
     def _load_folder(self, path: Any, state: dict[str, Any], *, strict: bool, weights_only: bool | None) -> dict[str, Any]:
-        """Restore ``state`` and LoGRA from the folder at ``path``; return the metadata that
-        ``state`` did not ask for."""
+        """Restore ``state`` and LoGRA from the folder at ``path`` (first finishing what a
+        crash left of its save); return the metadata that ``state`` did not ask for."""
         path = Path(self.broadcast(path))
+        self._on_rank_zero(atomic.recover, path)
         owner = type(self).__name__
         require_folder(path, owner)
         logra_state = self.runtime.read_state(path)  # a structural mismatch fails before any state is loaded
@@ -278,37 +269,54 @@ class LoGRAStrategyMixin:
         self.runtime.load_state(logra_state)
         return remaining
 
+    def recover_checkpoints(self, folders: list[Path]) -> None:
+        """Finish or undo what a crash left in the middle of a save or a removal in each of
+        ``folders`` (``atomic.recover_folder``), before any checkpoint there is read."""
+        for folder in folders:
+            self._on_rank_zero(atomic.recover_folder, Path(folder))
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """ModelCheckpoint deletes superseded checkpoints through this: renamed away first,
+        so a crash never leaves a half-deleted folder under a checkpoint's name."""
+        self._on_rank_zero(atomic.remove, Path(filepath))
+
+    def teardown(self) -> None:
+        self._release_writer_locks()
+        super().teardown()
+
+    def _release_writer_locks(self) -> None:
+        for lock in self._writer_locks.values():
+            lock.release()
+        self._writer_locks.clear()
+
     def _write_atomically(self, path: Any, write: Callable[[Path], None]) -> None:
-        """``write`` fills "<name>.partial", renamed into place once every rank has
-        finished, so a run killed mid-save never leaves a checkpoint that looks complete."""
+        """``write`` fills a hidden partial folder, put in place once every rank has
+        finished and rank 0 has marked it complete (the steps of ``atomic``)."""
         path = Path(self.broadcast(path))
-        partial = path.with_name(path.name + PARTIAL_SUFFIX)
-        if self.global_rank == 0 and partial.exists():
-            shutil.rmtree(partial)
-        self.barrier()
+        self._on_rank_zero(self._prepare_save, path)
+        partial = atomic.partial_path(path)
         write(partial)
         self.barrier()
+        self._on_rank_zero(atomic.commit, partial, path)
+
+    def _prepare_save(self, path: Path) -> None:
+        """One writer per folder (the lock, taken by the first save there), then the
+        leftovers of an interrupted save of ``path`` dealt with."""
+        if path.parent not in self._writer_locks:
+            lock = atomic.WriterLock(path.parent)
+            lock.acquire()
+            self._writer_locks[path.parent] = lock
+        atomic.prepare(path)
+
+    def _on_rank_zero(self, operation: Callable[..., Any], *args: Any) -> None:
+        """Run a file operation on rank 0 and raise its error on every rank (no rank is
+        left waiting at a barrier); the other ranks go on once it is done."""
+        error = None
         if self.global_rank == 0:
-            _move_into_place(partial, path)
-        self.barrier()
-
-
-def _empty_like(state: Any) -> Any:
-    if isinstance(state, dict):
-        return {key: _empty_like(value) for key, value in state.items()}
-    return torch.empty_like(state)
-
-
-def _move_into_place(partial: Path, path: Path) -> None:
-    """Replace ``path`` by the finished ``partial`` folder (two renames, no copying)."""
-    if path.is_file() or path.is_symlink():
-        path.unlink()
-    elif path.exists():
-        retired = path.with_name(path.name + ".old")
-        if retired.exists():
-            shutil.rmtree(retired)
-        path.rename(retired)
-        partial.rename(path)
-        shutil.rmtree(retired)
-        return
-    partial.rename(path)
+            try:
+                operation(*args)
+            except (OSError, RuntimeError, ValueError) as raised:
+                error = raised
+        error = self.broadcast(error)
+        if error is not None:
+            raise error

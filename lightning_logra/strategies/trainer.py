@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
@@ -65,6 +67,11 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
         self._batch: Any = None
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.recover_checkpoints(checkpoint_folders(self.lightning_module.trainer))
+
+    @override
     def setup(self, trainer) -> None:
         compute_dtype = compute_dtype_for(trainer.precision)
         module = self.lightning_module
@@ -116,6 +123,19 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         state = {"state_dict": self.model, **{f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}}
-        # Lightning's own metadata (loops, callbacks, hyper-parameters) is pickled Python objects.
-        return self._load_folder(checkpoint_path, state, strict=self.lightning_module.strict_loading, weights_only=False)
+        # Lightning's metadata (loops, callbacks, hyper-parameters) is read as Lightning reads a
+        # .ckpt file: torch.load with the caller's weights_only (None: torch's default).
+        return self._load_folder(checkpoint_path, state, strict=self.lightning_module.strict_loading,
+                                 weights_only=weights_only)
+
+
+def checkpoint_folders(trainer) -> list[Path]:
+    """Where the Trainer reads and writes checkpoints: every ModelCheckpoint's folder (as
+    ``ckpt_path="last"`` resolves it) and ``default_root_dir`` (SLURM's ``hpc_ckpt_*``)."""
+    folders = [Path(trainer.default_root_dir)]
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            # The resolution ModelCheckpoint._find_last_checkpoints uses, before its setup has run.
+            folders.append(Path(callback._ModelCheckpoint__resolve_ckpt_dir(trainer)))
+    return list(dict.fromkeys(folders))
 
