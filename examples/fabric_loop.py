@@ -42,7 +42,9 @@ def main() -> None:
     fabric.launch()
     fabric.seed_everything(0)
 
-    model = fabric.setup_module(TinyLM())  # FSDP2 shards it over 2+ devices; LoGRA hooks the targets
+    with fabric.init_module(empty_init=True):
+        lm = TinyLM()  # on the meta device: no rank holds the whole model
+    model = fabric.setup_module(lm)  # FSDP2 shards it over 2+ devices, then each rank initialises its shard
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
     generator = torch.Generator().manual_seed(fabric.global_rank)
     for step in range(args.steps):

@@ -76,10 +76,15 @@ def load_policy(
     source = model_source(name_or_path, cache_dir)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     tokenizer = load_tokenizer(source)
+    set_pad_token(model, tokenizer)
+    return model, tokenizer
+
+
+def set_pad_token(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Give the model's generation config the tokenizer's pad token id when it has none."""
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and generation_config.pad_token_id is None:
         generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
 
 
 def model_source(name_or_path: str, cache_dir: str | Path | None = None) -> str:

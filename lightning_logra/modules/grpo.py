@@ -23,7 +23,15 @@ from lightning_logra.core.reliability import memory_phase
 from lightning_logra.core.validation import FieldChecks, deprecated_attributes, renamed_field
 from lightning_logra.data import PromptDataModule
 from lightning_logra.hooks import LoGRAStepInputs, last_step_report
-from lightning_logra.models import enable_activation_checkpointing, load_policy, with_lora
+from lightning_logra.models import (
+    empty_policy,
+    enable_activation_checkpointing,
+    load_policy,
+    load_tokenizer,
+    model_source,
+    set_pad_token,
+    with_lora,
+)
 from lightning_logra.modules.completions import completion_table, log_completion_table
 from lightning_logra.modules.prompt_checks import check_answer_column, drop_prompts_past_positions, warn_if_unscored
 from lightning_logra.rewards.runner import RewardRunner, RewardScores
@@ -64,7 +72,10 @@ class GRPOModule(L.LightningModule):
     """GRPO / Dr. GRPO / REINFORCE-with-baseline on any Hugging Face causal LM.
 
     ``model`` is a hub id, a local folder, or the offline built-in
-    ``"smollm2-135m-instruct"``. Batches are ``{"prompt_text": [...], "prompt": [...],
+    ``"smollm2-135m-instruct"``. The tokenizer loads when the module is built; the weights
+    in ``configure_model`` (under ``logra_fsdp``: built empty, sharded, then each rank reads
+    its own rows from the safetensors files; call ``configure_model()`` yourself to read or
+    change the weights before ``fit``). Batches are ``{"prompt_text": [...], "prompt": [...],
     "answer": [...], <other columns>: [...]}`` (see ``PromptDataModule``); reward functions
     follow TRL's ``fn(completions, **columns)``. ``micro_batch_size`` rollouts (or, packed,
     ``micro_batch_tokens`` real tokens) go through each forward/backward; log-probs are
@@ -190,16 +201,18 @@ class GRPOModule(L.LightningModule):
         self.seed = seed
         self.automatic_optimization = False
 
-        self.policy, self.tokenizer = load_policy(model, cache_dir=cache_dir)
-        self.policy.train()  # from_pretrained returns eval mode; Lightning keeps modes as found
-        if activation_checkpointing:
-            enable_activation_checkpointing(self.policy)
+        # The tokenizer now (cheap; the data module and the CLI may need it), the weights in
+        # configure_model: under logra_fsdp built empty there and filled shard by shard.
+        self._model_source = model_source(model, cache_dir)
+        self.tokenizer = load_tokenizer(self._model_source)
+        self._activation_checkpointing = activation_checkpointing
+        self.policy: torch.nn.Module | None = None
+        self.reference: torch.nn.Module | None = None
         if lora is not None:
+            # Built now, in full, as before: peft draws the adapters from the global random
+            # state at construction, so a seed gives the same adapters as it always did.
+            self.policy = self._load(empty=False)
             self.policy = with_lora(self.policy, lora)
-        self.reference = None
-        if self.loss_config.kl_coef > 0:
-            self.reference, _ = load_policy(model, cache_dir=cache_dir)
-            self.reference.requires_grad_(False).eval()
 
         self.reward_runner = RewardRunner(rewards or [DEFAULT_REWARD], weights=reward_weights, timeout_s=reward_timeout_s,
                                           max_consecutive_timeouts=reward_max_consecutive_timeouts)
@@ -212,6 +225,34 @@ class GRPOModule(L.LightningModule):
         # The update whose optimizer step is running: what logra_step_inputs() reads.
         self._stepping: tuple[RolloutBatch, slice, torch.Tensor] | None = None
         self._low_rank_updates: list[list] = []
+
+    def configure_model(self) -> None:
+        """Build the policy (and the KL reference when ``loss.kl_coef > 0``) once; later calls
+        (fit, then validate) keep them. Under a meta-device context (``logra_fsdp`` runs
+        this hook in one) they are built empty and the strategy fills each rank's own rows
+        from the model's safetensors files after sharding; elsewhere they load in full."""
+        empty = torch.get_default_device().type == "meta"
+        if self.policy is None:
+            self.policy = self._load(empty=empty)
+        if self.reference is None and self.loss_config.kl_coef > 0:
+            self.reference = self._load(empty=empty, train=False)
+            self.reference.requires_grad_(False)
+
+    def _load(self, *, empty: bool, train: bool = True) -> torch.nn.Module:
+        """The model in float32 (empty: on the meta device), in train mode with activation
+        checkpointing as configured, or in eval mode for a frozen copy."""
+        if empty:
+            model = empty_policy(self._model_source)
+            set_pad_token(model, self.tokenizer)
+        else:
+            with torch.device("cpu"):  # a full load, whatever the surrounding default device
+                model, _ = load_policy(self._model_source)
+        if not train:
+            return model.eval()
+        model.train()  # from_pretrained returns eval mode; Lightning keeps modes as found
+        if self._activation_checkpointing:
+            enable_activation_checkpointing(model)
+        return model
 
     # LoGRA hooks (lightning_logra.hooks; read by the logra_fsdp strategy, unused elsewhere) ---
     def logra_model(self) -> torch.nn.Module:
@@ -242,7 +283,9 @@ class GRPOModule(L.LightningModule):
         data = self.trainer.datamodule
         if isinstance(data, PromptDataModule):
             check_answer_column(data, self.reward_runner)
-            drop_prompts_past_positions(data, self.policy, self.tokenizer, self.rollout_config.max_new_tokens)
+            # The weights may not exist yet (configure_model runs after setup): the config says it.
+            model_config = AutoConfig.from_pretrained(self._model_source)
+            drop_prompts_past_positions(data, model_config, self.tokenizer, self.rollout_config.max_new_tokens)
 
     # Training ---------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:

@@ -24,11 +24,11 @@ def check_answer_column(data: PromptDataModule, runner: RewardRunner) -> None:
                 "field_map (e.g. {'solution': 'answer'}), or pass reward functions that do not read it")
 
 
-def drop_prompts_past_positions(data: PromptDataModule, policy, tokenizer, max_new_tokens: int) -> None:
+def drop_prompts_past_positions(data: PromptDataModule, model_config, tokenizer, max_new_tokens: int) -> None:
     """Drop (and count) prompts that, with ``max_new_tokens`` generated after them, would go
     past the model's ``max_position_embeddings``: generating past them fails deep inside
     the model (or, with rotary positions, samples from positions it never learnt)."""
-    positions = getattr(policy.config, "max_position_embeddings", None)
+    positions = getattr(model_config, "max_position_embeddings", None)
     if positions is None:
         return
     room = positions - max_new_tokens

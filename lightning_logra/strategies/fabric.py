@@ -1,6 +1,8 @@
 """``Fabric(strategy="logra_fsdp")``: the Trainer strategy's LoGRA parts for Fabric loops.
 
-Set up the model first (``model = fabric.setup_module(model)``), then create and set up
+Build the model under ``fabric.init_module(empty_init=True)`` (on the meta device: each rank
+gets storage for its own shard only; a Hugging Face model reads it from its safetensors
+files) and set it up first (``model = fabric.setup_module(model)``), then create and set up
 the optimizer over its parameters, as FSDP2 requires. ``optimizer.step()`` applies the
 LoGRA update to the targets, scaled to the KL budget on the probe batch of the module's
 ``logra_step_inputs()`` (``lightning_logra.hooks``), then steps the optimizer (non-targets,

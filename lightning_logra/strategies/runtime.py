@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
+from transformers import PreTrainedModel
 
 from lightning_logra.core.config import LoGRAConfig
 from lightning_logra.core.optimizer import LoGRAOptimizer
@@ -20,6 +21,7 @@ from lightning_logra.core.reliability import verify_ranks_agree
 from lightning_logra.core.report import StepReport
 from lightning_logra.core.sketch import is_target_name
 from lightning_logra.hooks import ProvidesFrozenModels, ProvidesLoGRAModel, found_hooks, step_inputs
+from lightning_logra.models.sharded_loading import is_empty, materialize
 from lightning_logra.notices import quiet_lightning_pytree_notice
 from lightning_logra.strategies import atomic, logra_state
 from lightning_logra.strategies.checkpoint import (
@@ -242,7 +244,17 @@ class LoGRAStrategyMixin:
             policy = policy_module(module, self.logra_config.target_modules)
             for model in (policy, *frozen):
                 shard_policy(model, mesh["data_parallel"], self.logra_config.target_modules, self.layer_classes)
+        self._materialize_pretrained(module)
         return module
+
+    def _materialize_pretrained(self, module: nn.Module) -> None:
+        """Storage for the Hugging Face models built empty (meta device): each rank reads its
+        own rows from the model's safetensors files, in the dtype set above (a model built
+        from a config gets its own random initialisation). Lightning materialises any other
+        empty module afterwards (``reset_parameters``)."""
+        for model in module.modules():  # an outer model first: its inner models are filled with it
+            if isinstance(model, PreTrainedModel) and is_empty(model):
+                materialize(model, self.root_device)
 
     def _data_parallel_group(self) -> dist.ProcessGroup:
         return self.device_mesh["data_parallel"].get_group()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,10 @@ from lightning_logra.strategies.runtime import LoGRAStrategyMixin, compute_dtype
 
 class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
     """FSDP2 (row-sharded float32 weights), data-parallel only, with LoGRA on the targets.
+
+    ``configure_model`` runs on the meta device: what it builds gets storage in ``setup``,
+    after sharding, each rank for its own shard only (a Hugging Face model reads its rows
+    from its safetensors files, ``models.sharded_loading``).
 
     On one device the policy is not wrapped in FSDP2: it would shard nothing and copy every
     block's weights at each module call. Checkpoints are the same folders either way, so a
@@ -78,7 +83,8 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
         self.runtime.check_hooks(module)
         # ModelParallelStrategy.setup adds one thing to Strategy.setup: it requires the module
         # to have sharded itself in configure_model. Here the strategy shards the policy (and
-        # materialises what configure_model built on the meta device), then Lightning's own
+        # materialises what configure_model built on the meta device: Hugging Face models
+        # from their safetensors files, each rank its own rows), then Lightning's own
         # Strategy.setup places the model, builds the optimizers and the precision plugin.
         self._shard(module, self.device_mesh)
         _materialize_distributed_module(self.model, self.root_device)
@@ -87,6 +93,15 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
         self.runtime.remember_base_lr(self.optimizers)
         self.runtime.measure_kl = any(isinstance(callback, LoGRACallback) and callback.measure_kl
                                       for callback in trainer.callbacks)
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """The meta device unless ``empty_init=False``: ``configure_model`` builds the models
+        empty, and ``setup`` gives each rank storage for its own shard only (Hugging Face
+        models read it from their safetensors files)."""
+        with super().tensor_init_context(empty_init=empty_init is not False):
+            yield
 
     def _compute_dtype(self) -> torch.dtype | None:
         return compute_dtype_for(self.lightning_module.trainer.precision)

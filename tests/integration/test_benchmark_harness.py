@@ -66,6 +66,20 @@ def test_packing_smoke_run_times_padded_and_packed_steps_side_by_side(tmp_path):
     assert "Smoke run on a tiny model" in table and "Packed / padded step" in table
 
 
+def test_loading_smoke_run_sets_up_two_ranks_with_and_without_a_reference(tmp_path):
+    run("loading", "--smoke", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "loading.json").read_text())
+    runs = [(run_["kl_coef"], run_["precision"]) for run_ in result["runs"]]
+    assert result["smoke"] is True and runs == [(0.0, "32-true"), (0.1, "32-true"), (0.1, "bf16-mixed")]
+    kept = [[rank["kept_shards_mib"] for rank in run_["ranks"]] for run_ in result["runs"]]
+    # Each rank keeps half the policy, and half a reference in the compute dtype.
+    assert kept[1][0] == 2 * kept[0][0] and kept[2][0] == 1.5 * kept[0][0]
+    for run_ in result["runs"]:
+        assert len(run_["ranks"]) == 2
+        assert all(rank["setup_peak_mib"] > 0 and rank["seconds_to_first_step"] > 0 for rank in run_["ranks"])
+    assert "Smoke run on a tiny model" in (tmp_path / "loading.md").read_text()
+
+
 def test_smoke_runs_refuse_to_overwrite_the_committed_results():
     completed = subprocess.run([sys.executable, "-m", "benchmarks.speed", "--smoke"], cwd=ROOT, capture_output=True,
                                text=True, timeout=120)
@@ -82,6 +96,7 @@ RENDERED = [
     ("quality", "quality.json", []),
     ("core_step", "core_step.json", []),
     ("core_step", "core_step_1thread.json", ["--name", "core_step_1thread"]),
+    ("loading", "loading.json", []),
 ]
 
 

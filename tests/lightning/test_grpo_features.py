@@ -113,6 +113,7 @@ def test_vllm_rollouts_refuse_truncated_sampling():
 def test_gspo_moves_the_weights_and_logs_its_clip_fraction(model_folder):
     grpo = grpo_module(model_folder, loss=LossConfig(type="gspo", epsilon_low=3e-4, epsilon_high=4e-4),
                        rewards=rewards("varied_reward"))
+    grpo.configure_model()  # the weights now, to change or compare before the fit
     before = [p.detach().clone() for p in grpo.policy.parameters()]
     _, logged = fit_grpo(grpo, model_folder, steps=1)
     assert any(not torch.equal(a, b) for a, b in zip(before, grpo.policy.parameters()))
@@ -132,6 +133,7 @@ def test_dynamic_sampling_replaces_groups_without_signal(model_folder):
 
 def test_mask_truncated_leaves_cut_off_completions_out(model_folder):
     grpo = grpo_module(model_folder, loss=LossConfig(mask_truncated=True), rewards=rewards("varied_reward"))
+    grpo.configure_model()  # the weights now, to change or compare before the fit
     with torch.no_grad():
         favour_token(grpo.policy, grpo.tokenizer.eos_token_id, 2.0)  # some completions stop, some are cut off
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
@@ -150,6 +152,7 @@ def test_mask_truncated_leaves_cut_off_completions_out(model_folder):
 def test_a_run_with_nothing_to_train_on_stops_with_a_clear_error(model_folder):
     grpo = grpo_module(model_folder, loss=LossConfig(mask_truncated=True), rewards=rewards("varied_reward"))
     eos = torch.tensor([grpo.tokenizer.eos_token_id])
+    grpo.configure_model()  # the weights now, to change or compare before the fit
     grpo.policy.lm_head.register_forward_hook(lambda head, args, logits: logits.index_fill(-1, eos, float("-inf")))
     before = [p.detach().clone() for p in grpo.policy.parameters()]
     with pytest.raises(RuntimeError, match="8 updates in a row had no completion token to train on"):

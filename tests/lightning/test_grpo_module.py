@@ -19,6 +19,7 @@ LOGGED = {"reward/mean", "reward/std", "reward/zero_std_groups", "reward/failure
 
 
 def fit(grpo, folder, strategy="auto", steps=2, **options):
+    grpo.configure_model()  # the weights now, to compare with after the fit (the fit keeps them)
     snapshot = {name: p.detach().clone() for name, p in grpo.policy.named_parameters()}
     logged = {}
 
