@@ -23,6 +23,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from lightning_logra.models.sharded_loading import empty_policy
+
 CACHE_ENV = "LIGHTNING_LOGRA_CACHE"
 
 
@@ -238,3 +240,22 @@ def with_lora(policy: torch.nn.Module, lora) -> torch.nn.Module:
         # peft asks transformers' deprecated `is_gradient_checkpointing`: not the user's to act on
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         return get_peft_model(policy, config)
+
+
+def build_model(source: str, tokenizer: PreTrainedTokenizerBase, *, empty: bool, train: bool = True,
+                activation_checkpointing: bool = False) -> PreTrainedModel:
+    """The causal LM of ``source`` in float32 for training (``train``: train mode, with
+    activation checkpointing as asked) or as a frozen copy (eval mode). ``empty``: on the meta
+    device, to be sharded and then filled (``fill_from_safetensors``); else one full load."""
+    if empty:
+        model = empty_policy(source)
+        set_pad_token(model, tokenizer)
+    else:
+        with torch.device("cpu"):  # a full load, whatever the surrounding default device
+            model, _ = load_policy(source)
+    if not train:
+        return model.eval()
+    model.train()  # from_pretrained returns eval mode; Lightning keeps modes as found
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    return model

@@ -11,31 +11,25 @@ LoGRA update; under any other strategy it is AdamW (dense, or LoRA adapters).
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 import lightning as L
 import torch
+from transformers import AutoConfig
 from torchmetrics import MeanMetric
 
 from lightning_logra.core.reliability import memory_phase
-from lightning_logra.core.validation import FieldChecks, deprecated_attributes, renamed_field
+from lightning_logra.core.validation import deprecated_attributes, renamed_field
 from lightning_logra.data import PromptDataModule
 from lightning_logra.hooks import LoGRAStepInputs, last_step_report
-from lightning_logra.models import (
-    empty_policy,
-    enable_activation_checkpointing,
-    load_policy,
-    load_tokenizer,
-    model_source,
-    set_pad_token,
-    with_lora,
-)
+from lightning_logra.models import build_model, load_tokenizer, model_source, with_lora
+from lightning_logra.modules.arguments import check_arguments
 from lightning_logra.modules.completions import completion_table, log_completion_table
 from lightning_logra.modules.prompt_checks import check_answer_column, drop_prompts_past_positions, warn_if_unscored
 from lightning_logra.rewards.runner import RewardRunner, RewardScores
 from lightning_logra.rollout.base import RolloutEngine
+from lightning_logra.rollout.engines import build_engine
 from lightning_logra.rl.batch import (
     BACKWARD_HINT,
     MicroBatching,
@@ -44,7 +38,7 @@ from lightning_logra.rl.batch import (
     batch_logprobs,
 )
 from lightning_logra.rl.collectives import any_rank, gather_ranks
-from lightning_logra.rl.config import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
+from lightning_logra.rl.config import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig, lr_factor
 from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE
 from lightning_logra.rl.losses import NonFiniteRewards, RunningBaseline, group_advantages
 from lightning_logra.rl.metrics import PassTotals, PhaseClock, step_metrics
@@ -163,34 +157,14 @@ class GRPOModule(L.LightningModule):
         self.loss_config = loss or LossConfig()
         self.rollout_config = rollout or RolloutConfig()
         self.optimizer_config = optimizer or OptimizerConfig()
-        loss_type, buffer = self.loss_config.type, self.loss_config.overlong_buffer
-        generations, engine = self.rollout_config.num_generations, self.rollout_config.engine
-        check = FieldChecks("GRPOModule", {
+        check_arguments(self.loss_config, self.rollout_config, lora, {
             "reward_timeout_s": reward_timeout_s, "reward_max_consecutive_timeouts": reward_max_consecutive_timeouts,
             "micro_batch_size": micro_batch_size, "micro_batch_tokens": micro_batch_tokens,
             "num_iterations": num_iterations, "mini_batches": mini_batches,
             "log_completions_every": log_completions_every, "log_completions_count": log_completions_count,
             "activation_checkpointing": activation_checkpointing, "logprob_chunk_positions": logprob_chunk_positions,
-            "seed": seed, "loss.overlong_buffer": buffer, "rollout.num_generations": generations,
-            "rollout.engine": engine,
+            "seed": seed,
         })
-        check.number("reward_timeout_s", above=0)
-        check.integer("reward_max_consecutive_timeouts", at_least=1)
-        check.integer("micro_batch_size", at_least=1)
-        check.integer("micro_batch_tokens", at_least=1, optional=True)
-        check.integer("num_iterations", at_least=1)
-        check.integer("mini_batches", at_least=1)
-        check.integer("log_completions_every", at_least=0)
-        check.integer("log_completions_count", at_least=1)
-        check.boolean("activation_checkpointing")
-        check.integer("logprob_chunk_positions", at_least=1)
-        check.integer("seed", at_least=0)
-        check.require("loss.overlong_buffer", buffer <= self.rollout_config.max_new_tokens,
-                      f"<= rollout.max_new_tokens = {self.rollout_config.max_new_tokens}")
-        check.require("rollout.num_generations", loss_type == "reinforce_baseline" or generations >= 2,
-                      f">= 2 with loss.type = {loss_type!r} (group advantages)")
-        check.require("rollout.engine", lora is None or engine != "vllm",
-                      "'hf' with lora: vLLM would need merged weights")
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
         self.num_iterations = num_iterations
@@ -239,20 +213,8 @@ class GRPOModule(L.LightningModule):
             self.reference.requires_grad_(False)
 
     def _load(self, *, empty: bool, train: bool = True) -> torch.nn.Module:
-        """The model in float32 (empty: on the meta device), in train mode with activation
-        checkpointing as configured, or in eval mode for a frozen copy."""
-        if empty:
-            model = empty_policy(self._model_source)
-            set_pad_token(model, self.tokenizer)
-        else:
-            with torch.device("cpu"):  # a full load, whatever the surrounding default device
-                model, _ = load_policy(self._model_source)
-        if not train:
-            return model.eval()
-        model.train()  # from_pretrained returns eval mode; Lightning keeps modes as found
-        if self._activation_checkpointing:
-            enable_activation_checkpointing(model)
-        return model
+        return build_model(self._model_source, self.tokenizer, empty=empty, train=train,
+                           activation_checkpointing=self._activation_checkpointing)
 
     # LoGRA hooks (lightning_logra.hooks; read by the logra_fsdp strategy, unused elsewhere) ---
     def logra_model(self) -> torch.nn.Module:
@@ -507,28 +469,8 @@ class GRPOModule(L.LightningModule):
     @property
     def engine(self) -> RolloutEngine:
         if self._engine is None:
-            config = self.rollout_config
-            if config.engine == "vllm":
-                from lightning_logra.rollout.vllm import VLLMRolloutEngine
-
-                self._engine = VLLMRolloutEngine(
-                    self._vllm_model_path(), max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                    top_p=config.top_p, gpu_memory_utilization=config.gpu_memory_utilization,
-                    kv_cache_gib=config.kv_cache_gib, seed=self.seed, weight_sync=config.weight_sync,
-                    full_sync_every=config.full_sync_every,
-                )
-                self._engine.sync_weights(self.policy)
-            else:
-                from lightning_logra.rollout.hf import HFRolloutEngine
-
-                self._engine = HFRolloutEngine(
-                    self.policy, self.tokenizer, max_new_tokens=config.max_new_tokens,
-                    temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                )
+            self._engine = build_engine(self.rollout_config, self.policy, self.tokenizer, seed=self.seed)
         return self._engine
-
-    def _vllm_model_path(self) -> str:
-        return getattr(self.policy, "name_or_path", None) or self.policy.config._name_or_path
 
     # Checkpointed state beyond the weights -----------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -538,12 +480,3 @@ class GRPOModule(L.LightningModule):
         if "grpo_baseline" in checkpoint:
             self.baseline.load_state_dict(checkpoint["grpo_baseline"])
 
-
-def lr_factor(step: int, config: OptimizerConfig) -> float:
-    """Linear warm-up over ``warmup_steps``, then cosine to ``min_lr_ratio`` at ``decay_steps``."""
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    if config.decay_steps <= config.warmup_steps:
-        return 1.0
-    progress = min((step - config.warmup_steps) / (config.decay_steps - config.warmup_steps), 1.0)
-    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

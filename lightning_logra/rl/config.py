@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -190,3 +192,13 @@ class LoRAConfig:
 # Plain dataclasses, safe to rebuild: checkpoints that hold them as hyper-parameters load
 # under torch.load's default weights_only=True, as Lightning passes it.
 torch.serialization.add_safe_globals([LossConfig, RolloutConfig, OptimizerConfig, LoRAConfig])
+
+
+def lr_factor(step: int, config: OptimizerConfig) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine to ``min_lr_ratio`` at ``decay_steps``."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.decay_steps <= config.warmup_steps:
+        return 1.0
+    progress = min((step - config.warmup_steps) / (config.decay_steps - config.warmup_steps), 1.0)
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -9,7 +9,7 @@ import torch
 
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.modules import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
-from lightning_logra.modules.grpo import lr_factor
+from lightning_logra.rl.config import lr_factor
 from tests.helpers.grpo import grpo_module, prompt_data
 
 LOGGED = {"reward/mean", "reward/std", "reward/zero_std_groups", "reward/failures", "completion/length_mean",
