@@ -22,6 +22,7 @@ trainer:
   accelerator: cpu
   devices: 1
   max_steps: 4
+  log_every_n_steps: 1
   enable_progress_bar: false
   default_root_dir: {root}
   strategy:
@@ -70,7 +71,10 @@ def launch(launched: list, root: Path, model: str, *overrides: str, **environmen
         root.mkdir()
         config.write_text(CONFIG.format(root=root, model=model))
     command = [str(Path(sys.executable).parent / "logra"), "fit", "-c", str(config), *overrides]
-    process = subprocess.Popen(command, cwd=root, env=child_environment(PYTHONPATH=str(REPO), **environment),
+    # One thread per process everywhere: Lightning gives a process cores / local processes
+    # threads, so a 2-node run (1 local process) would round its reductions differently.
+    environment = child_environment(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **environment)
+    process = subprocess.Popen(command, cwd=root, env=environment,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     launched.append(process)
     return process
