@@ -179,6 +179,8 @@ class GRPOModule(L.LightningModule):
         # configure_model: under logra_fsdp built empty there and filled shard by shard.
         self._model_source = model_source(model, cache_dir)
         self.tokenizer = load_tokenizer(self._model_source)
+        # What setup checks the prompts against: the weights come later, in configure_model.
+        self.model_config = AutoConfig.from_pretrained(self._model_source)
         self._activation_checkpointing = activation_checkpointing
         self.policy: torch.nn.Module | None = None
         self.reference: torch.nn.Module | None = None
@@ -245,9 +247,7 @@ class GRPOModule(L.LightningModule):
         data = self.trainer.datamodule
         if isinstance(data, PromptDataModule):
             check_answer_column(data, self.reward_runner)
-            # The weights may not exist yet (configure_model runs after setup): the config says it.
-            model_config = AutoConfig.from_pretrained(self._model_source)
-            drop_prompts_past_positions(data, model_config, self.tokenizer, self.rollout_config.max_new_tokens)
+            drop_prompts_past_positions(data, self.model_config, self.tokenizer, self.rollout_config.max_new_tokens)
 
     # Training ---------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:

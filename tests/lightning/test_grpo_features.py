@@ -248,7 +248,7 @@ def test_prompts_past_the_models_positions_are_skipped_and_counted(model_folder,
     data.setup("fit")
     short, _ = sorted({len(ids) for ids in data.tokenizer(data.datasets["train"].prompt_texts)["input_ids"]})
     grpo = grpo_module(model_folder)  # max_new_tokens 6
-    grpo.policy.config.max_position_embeddings = short + 6
+    grpo.model_config.max_position_embeddings = short + 6
     trainer, _ = fit_grpo(grpo, model_folder, steps=1, data_options={"train": tmp_path / "rows.jsonl", "val": None})
     assert trainer.datamodule.skipped["train"]["too_long"] == 2
     assert trainer.datamodule.datasets["train"].prompt_texts == data.datasets["train"].prompt_texts[:4]
@@ -256,7 +256,7 @@ def test_prompts_past_the_models_positions_are_skipped_and_counted(model_folder,
 
 def test_data_whose_every_prompt_is_past_the_models_positions_is_refused(model_folder):
     grpo = grpo_module(model_folder)
-    grpo.policy.config.max_position_embeddings = 20  # 14 for a prompt; the shortest arithmetic one is 34 here
+    grpo.model_config.max_position_embeddings = 20  # 14 for a prompt; the shortest arithmetic one is 34 here
     with pytest.raises(ValueError, match=r"arithmetic: every train prompt is longer than 14 tokens \(the model's 20 "
                                          r"positions less rollout.max_new_tokens = 6\); the shortest has 3\d"):
         fit_grpo(grpo, model_folder, steps=1)
@@ -264,7 +264,7 @@ def test_data_whose_every_prompt_is_past_the_models_positions_is_refused(model_f
 
 def test_max_new_tokens_filling_the_models_positions_is_refused(model_folder):
     grpo = grpo_module(model_folder)
-    grpo.policy.config.max_position_embeddings = 6
+    grpo.model_config.max_position_embeddings = 6
     with pytest.raises(ValueError, match=r"rollout.max_new_tokens = 6 leaves no room for a prompt in the model's 6 "
                                          r"positions"):
         fit_grpo(grpo, model_folder, steps=1)
