@@ -129,12 +129,12 @@ def test_resuming_into_the_same_mlflow_run_logs_the_launch_nowhere_and_warns_on_
     (run,) = mlflow_runs(root)
     assert not {"ckpt_path", "config", "print_config"} & set(run.data.params)
 
-    resumed = launch(launched, root, model_folder, "--ckpt_path=last", f"--trainer.logger.init_args.run_id={run.info.run_id}",
-                     "--model.init_args.micro_batch_size=1")
+    # max_steps back to the config's 4: the one setting this resume changes
+    resumed = launch(launched, root, model_folder, "--ckpt_path=last", f"--trainer.logger.init_args.run_id={run.info.run_id}")
     output = finish(resumed, "the resume into the same MLflow run")
-    assert "model/init_args/micro_batch_size: 2 -> 1" in output
+    assert "trainer/max_steps: 2 -> 4" in output
     (again,) = mlflow_runs(root)
     assert again.info.run_id == run.info.run_id
-    assert again.data.params["model/init_args/micro_batch_size"] == "2"  # MLflow keeps the first value
+    assert again.data.params["trainer/max_steps"] == "2"  # MLflow keeps the first value
     history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "logra/alpha")
     assert [m.step for m in history] == [0, 1, 2, 3]
