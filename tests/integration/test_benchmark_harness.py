@@ -37,6 +37,7 @@ def test_speed_smoke_run_times_the_replayed_grpo_step_of_every_mode(tmp_path):
     assert "Smoke run on a tiny model" in table and "Step: GRPOModule's step" in table
 
 
+@pytest.mark.slow  # 60 s; the speed, packing and loading smoke runs cover the harness in the default run
 def test_memory_smoke_run_measures_each_mode_in_its_own_process(tmp_path):
     run("memory", "--smoke", "--out", str(tmp_path))
     result = json.loads((tmp_path / "memory.json").read_text())
@@ -97,6 +98,7 @@ RENDERED = [
     ("core_step", "core_step.json", []),
     ("core_step", "core_step_1thread.json", ["--name", "core_step_1thread"]),
     ("loading", "loading.json", []),
+    ("packing", "packing.json", []),
 ]
 
 
