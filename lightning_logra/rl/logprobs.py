@@ -91,11 +91,7 @@ def sequence_logprobs(
     follow the attention mask, as in ``generate``, so left-padded rows score exactly as
     they were sampled. Values at padding positions are meaningless: mask them.
     """
-    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2 or input_ids.shape[1] < 2:
-        raise ValueError(
-            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be "
-            "B x T with T >= 2"
-        )
+    _check_rows(input_ids, attention_mask)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
     return _logprobs_in_forward(model, inputs, None, input_ids[:, 1:], temperature=temperature,
@@ -118,11 +114,7 @@ def packed_sequence_logprobs(
     restarting at 0 per sequence and no attention mask, from which transformers derives
     each sequence's own causal mask (``find_packed_sequence_indices``). Returns the padded
     ``B x (T-1)`` layout, 0 at the positions that predict no real token of the same row."""
-    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2 or input_ids.shape[1] < 2:
-        raise ValueError(
-            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be "
-            "B x T with T >= 2"
-        )
+    _check_rows(input_ids, attention_mask)
     real = attention_mask.bool()
     lengths = real.sum(dim=1)
     first = real.long().argmax(dim=1)
@@ -148,6 +140,14 @@ def packed_sequence_logprobs(
         return packed.new_zeros(input_ids.shape[0], input_ids.shape[1] - 1).index_put(where, packed)
 
     return tuple(padded(v) for v in values) if return_entropy else padded(values)
+
+
+def _check_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be "
+            "B x T with T >= 2"
+        )
 
 
 def _logprobs_in_forward(model, inputs, scored, targets, *, temperature, chunk_size, return_entropy):
