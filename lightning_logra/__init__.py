@@ -12,7 +12,9 @@ from lightning_logra.core import (
     LoGRAOptimizer,
     MemoryReport,
     ProbeBatch,
+    StepMemory,
     StepReport,
+    StepSettings,
     install_sketches,
     kl_step_scale,
     make_projection,
@@ -23,6 +25,7 @@ from lightning_logra.core import (
     remove_sketches,
     row_adam_direction,
     scheduled_budget,
+    step_memory,
 )
 from lightning_logra.hooks import LoGRAModuleHooks, LoGRAStepInputs
 from lightning_logra.strategies import LoGRAFabricStrategy, LoGRAFSDPStrategy  # registers "logra_fsdp"
@@ -39,7 +42,9 @@ __all__ = [
     "LoGRAStepInputs",
     "MemoryReport",
     "ProbeBatch",
+    "StepMemory",
     "StepReport",
+    "StepSettings",
     "install_sketches",
     "kl_step_scale",
     "make_projection",
@@ -50,4 +55,5 @@ __all__ = [
     "remove_sketches",
     "row_adam_direction",
     "scheduled_budget",
+    "step_memory",
 ]

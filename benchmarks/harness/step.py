@@ -217,7 +217,8 @@ class Runner:
 
 
 def build_mode(mode: str, model, settings, *, probe_responses: int, probe_max_tokens: int, compute_dtype=None,
-               hooks: StepHooks = StepHooks(), shard: Callable[[Any], None] | None = None, **logra_settings) -> Runner:
+               hooks: StepHooks = StepHooks(), shard: Callable[[Any], None] | None = None, activation_checkpointing: bool = True,
+               lora_rank: int = RANK, **logra_settings) -> Runner:
     """``model`` (a Hugging Face causal LM) trained as GRPOModule trains it in ``mode``:
     activation checkpointing on, then dense AdamW (every parameter), LoRA r=256 (the
     library's ``with_lora``: peft on the seven projections, AdamW over the adapters) or
@@ -229,7 +230,9 @@ def build_mode(mode: str, model, settings, *, probe_responses: int, probe_max_to
     length, which each benchmark sets: ``probe_responses`` rows of at most
     ``probe_max_tokens`` real tokens; ``logra_settings`` set other ``LoGRAConfig`` fields.
     ``compute_dtype``: LoGRA's projection dtype (bf16 under autocast). ``shard``: called on
-    the (peft-wrapped) model before the optimizer is built, e.g. to FSDP2-shard it."""
+    the (peft-wrapped) model before the optimizer is built, e.g. to FSDP2-shard it.
+    ``activation_checkpointing`` and ``lora_rank`` (and LoGRA's ``rank`` among
+    ``logra_settings``) change what the benchmarks' default step holds, as a config would."""
     import torch
 
     from lightning_logra import LoGRAConfig, LoGRAOptimizer
@@ -238,15 +241,16 @@ def build_mode(mode: str, model, settings, *, probe_responses: int, probe_max_to
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
-    enable_activation_checkpointing(model)
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
     model.train()
     if mode == "lora":
-        model = with_lora(model, LoRAConfig(rank=RANK, alpha=2.0 * RANK))
+        model = with_lora(model, LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank))
     if shard is not None:
         shard(model)
     if mode == "logra":
-        config = LoGRAConfig(rank=RANK, kl_budget=KL_BUDGET, kl_budget_final=KL_BUDGET, probe_responses=probe_responses,
-                             probe_max_tokens=probe_max_tokens, **logra_settings)
+        config = LoGRAConfig(**{"rank": RANK, **logra_settings}, kl_budget=KL_BUDGET, kl_budget_final=KL_BUDGET,
+                             probe_responses=probe_responses, probe_max_tokens=probe_max_tokens)
         optimizer = LoGRAOptimizer(model, config, compute_dtype=compute_dtype)
     else:
         adamw = OptimizerConfig()

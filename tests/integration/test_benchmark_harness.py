@@ -81,6 +81,22 @@ def test_loading_smoke_run_sets_up_two_ranks_with_and_without_a_reference(tmp_pa
     assert "Smoke run on a tiny model" in (tmp_path / "loading.md").read_text()
 
 
+def test_fits_smoke_run_predicts_the_gpu_table_from_shapes(tmp_path):
+    run("fits", "--smoke", "--table", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "fits.json").read_text())
+    assert {(row["tokens"], row["method"]) for row in result["table"]} == {(t, m) for t in (4096, 16384) for m in MODES}
+    assert all(row["peak"] == max(row["backward_peak"], row["update_peak"]) for row in result["table"])
+
+
+@pytest.mark.slow  # 5 minutes: the table above keeps the prediction in the default run
+def test_fits_smoke_run_measures_one_and_two_processes_and_searches(tmp_path):
+    run("fits", "--smoke", "--validate", "--search", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "fits.json").read_text())
+    assert {(row["world"], row["method"]) for row in result["validation"]} == {(w, m) for w in (1, 2) for m in MODES}
+    assert all(row["measured_mib"] > 0 and len(row["ranks"]) == row["world"] for row in result["validation"])
+    assert [row["method"] for row in result["search"]] == list(MODES) and all(row["completed"] for row in result["search"])
+
+
 def test_smoke_runs_refuse_to_overwrite_the_committed_results():
     completed = subprocess.run([sys.executable, "-m", "benchmarks.speed", "--smoke"], cwd=ROOT, capture_output=True,
                                text=True, timeout=120)
