@@ -115,6 +115,7 @@ RENDERED = [
     ("core_step", "core_step_1thread.json", ["--name", "core_step_1thread"]),
     ("loading", "loading.json", []),
     ("packing", "packing.json", []),
+    ("fits", "fits.json", []),
 ]
 
 
