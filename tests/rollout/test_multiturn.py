@@ -1,0 +1,122 @@
+"""Multi-turn rollouts with tools on the HF engine: a tiny random model whose turns are
+scripted (forced tokens; its log-probs stay its own), checked token by token."""
+
+import pytest
+import torch
+
+from lightning_logra.rl.logprobs import sequence_logprobs
+from lightning_logra.rollout import HFRolloutEngine, select_rows
+from lightning_logra.rollout.multiturn import MultiTurnRollouts
+from lightning_logra.tools import ToolChat, ToolRunner, tool_schema
+from tests.helpers.models import byte_tokenizer, tiny_qwen2
+from tests.helpers.tools import ScriptedGeneration, add, broken
+
+PROMPTS = [[{"role": "user", "content": "2+3?"}], [{"role": "user", "content": "What is 12 + 30?"}]]
+CALL = '<tool_call>{{"name": "{name}", "arguments": {arguments}}}</tool_call>'
+# Turn 1 of the four rows [p0 g0, p0 g1, p1 g0, p1 g1]: three call a tool (the last a broken
+# one), one answers at once; turn 2: the three that called answer.
+TURN_1 = [CALL.format(name="add", arguments='{"a": 2, "b": 3}'), "7",
+          CALL.format(name="add", arguments='{"a": 12, "b": 30}'), CALL.format(name="broken", arguments='{"x": 1}')]
+TURN_2 = ["5", "42", "sorry"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return byte_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def sampler(tokenizer, *, max_turns=3, max_tokens=400, tools=(add, broken)):
+    return MultiTurnRollouts(ToolChat(tokenizer), ToolRunner(timeout_s=5.0, max_hung_calls=1), tools=list(tools),
+                             max_turns=max_turns, max_tokens=max_tokens)
+
+
+def scripted_run(tokenizer, turns, **options):
+    model = tiny_qwen2(vocab_size=len(tokenizer))
+    script = ScriptedGeneration(model, tokenizer, turns)
+    engine = HFRolloutEngine(model, tokenizer, max_new_tokens=400)
+    rollouts = sampler(tokenizer, **options).generate(engine, PROMPTS, [{}, {}], num_generations=2)
+    return model, script, rollouts
+
+
+@pytest.fixture(scope="module")
+def two_turns(tokenizer):
+    """The model, its script and the rollouts of TURN_1 then TURN_2."""
+    return scripted_run(tokenizer, [TURN_1, TURN_2])
+
+
+def encode(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def test_trainer_tokens_are_the_engines_turn_by_turn(tokenizer, two_turns):
+    model, script, rollouts = two_turns
+    chat = ToolChat(tokenizer)
+    prompts = script.inputs[0]
+    assert prompts == [chat.prompt_ids(PROMPTS[row // 2], [tool_schema(add), tool_schema(broken)]) for row in range(4)]
+    # Turn 2 is generated from exactly prompt + turn 1 as sampled + the tool turn's tokens.
+    tool_turn = {row: script.inputs[1][index][len(prompts[row]) + len(encode(tokenizer, TURN_1[row])):]
+                 for index, row in enumerate([0, 2, 3])}
+    for index, row in enumerate([0, 2, 3]):
+        assert script.inputs[1][index] == prompts[row] + encode(tokenizer, TURN_1[row]) + tool_turn[row]
+    assert tokenizer.decode(tool_turn[0]) == ("\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+                                              "<|im_start|>assistant\n")
+    assert "Error: tool 'broken' raised RuntimeError: broken on 1" in tokenizer.decode(tool_turn[3])
+    # The rows the trainer scores: those token lists, then turn 2 as sampled.
+    expected = {0: script.inputs[1][0] + encode(tokenizer, "5"), 1: prompts[1] + encode(tokenizer, "7"),
+                2: script.inputs[1][1] + encode(tokenizer, "42"), 3: script.inputs[1][2] + encode(tokenizer, "sorry")}
+    for row in range(4):
+        assert rollouts.input_ids[row][rollouts.attention_mask[row].bool()].tolist() == expected[row]
+    assert rollouts.completion_text == ["5", "7", "42", "sorry"]
+    assert rollouts.ended_with_eos.tolist() == [True] * 4
+
+
+def test_only_generated_tokens_are_trained_and_scored(tokenizer, two_turns):
+    model, script, rollouts = two_turns
+    width, start = rollouts.input_ids.shape[1], rollouts.prompt_length
+    for row, turn_2 in zip([0, 1, 2, 3], ["5", None, "42", "sorry"]):
+        generated_1 = len(encode(tokenizer, TURN_1[row]))
+        tool = 0 if turn_2 is None else len(script.inputs[1][[0, 2, 3].index(row)]) - len(script.inputs[0][row]) - generated_1
+        generated_2 = 0 if turn_2 is None else len(encode(tokenizer, turn_2))
+        padding = width - start - generated_1 - tool - generated_2
+        assert rollouts.completion_mask[row].tolist() == [0] * start + [1] * generated_1 + [0] * tool + [1] * generated_2 \
+            + [0] * padding
+        assert rollouts.environment_mask[row].tolist() == [0] * (start + generated_1) + [1] * tool \
+            + [0] * (generated_2 + padding)
+        prompt_padding = start - len(script.inputs[0][row])
+        assert rollouts.attention_mask[row].tolist() == [0] * prompt_padding + [1] * (width - prompt_padding - padding) \
+            + [0] * padding
+    # Log-probs only where the model sampled, and they are the trainer's (the same tokens).
+    generated = rollouts.completion_mask.bool()
+    assert (rollouts.rollout_logprobs[~generated] == 0).all() and (rollouts.rollout_logprobs[generated] < 0).all()
+    trainer = sequence_logprobs(model, rollouts.input_ids, rollouts.attention_mask, temperature=1.0)
+    mask = generated[:, 1:]
+    torch.testing.assert_close(trainer[mask], rollouts.rollout_logprobs[:, 1:][mask], atol=1e-4, rtol=0)
+    counts = [(c.turns, c.tool_calls, c.tool_failures) for c in rollouts.conversations]
+    assert counts == [(2, 1, 0), (1, 0, 0), (2, 1, 0), (2, 1, 1)]
+
+
+def test_selected_rows_keep_tool_tokens_as_context(tokenizer, two_turns):
+    _, _, rollouts = two_turns
+    chosen = select_rows([(rollouts, [3, 0])], pad_token_id=tokenizer.pad_token_id)
+    for new, old in ((0, 3), (1, 0)):
+        for field in ("completion_mask", "environment_mask", "rollout_logprobs"):
+            kept, original = getattr(chosen, field)[new], getattr(rollouts, field)[old]
+            assert kept[chosen.attention_mask[new].bool()].tolist() == original[rollouts.attention_mask[old].bool()].tolist()
+    assert [c.tool_failures for c in chosen.conversations] == [1, 0]
+
+
+def test_a_row_whose_tool_turn_leaves_no_room_ends_at_the_budget(tokenizer):
+    first = len(encode(tokenizer, TURN_1[0]))
+    _, script, rollouts = scripted_run(tokenizer, [TURN_1, TURN_2], max_tokens=first + 10)
+    assert len(script.inputs) == 1  # no row had room for a second turn
+    assert rollouts.ended_with_eos.tolist() == [False, True, False, False]
+    assert rollouts.environment_mask.sum().item() == 0
+    assert [c.tool_calls for c in rollouts.conversations] == [1, 0, 1, 1]
+
+
+def test_tool_calls_of_the_last_turn_are_not_run(tokenizer):
+    _, script, rollouts = scripted_run(tokenizer, [TURN_1], max_turns=1)
+    assert len(script.inputs) == 1
+    assert [c.tool_calls for c in rollouts.conversations] == [0, 0, 0, 0]
+    assert rollouts.ended_with_eos.tolist() == [True] * 4
+    assert rollouts.completion_text[0] == TURN_1[0]
