@@ -4,12 +4,14 @@ scripted (forced tokens; its log-probs stay its own), checked token by token."""
 import pytest
 import torch
 
+from lightning_logra.rewards import RewardRunner
 from lightning_logra.rl.logprobs import sequence_logprobs
+from lightning_logra.rl.sampling import score_rollouts
 from lightning_logra.rollout import HFRolloutEngine, select_rows
 from lightning_logra.rollout.multiturn import MultiTurnRollouts
-from lightning_logra.tools import ToolChat, ToolRunner, tool_schema
+from lightning_logra.tools import Environments, ToolChat, ToolRunner, tool_schema
 from tests.helpers.models import byte_tokenizer, tiny_qwen2
-from tests.helpers.tools import ScriptedGeneration, add, broken
+from tests.helpers.tools import GuessEnvironment, ScriptedGeneration, add, broken
 
 PROMPTS = [[{"role": "user", "content": "2+3?"}], [{"role": "user", "content": "What is 12 + 30?"}]]
 CALL = '<tool_call>{{"name": "{name}", "arguments": {arguments}}}</tool_call>'
@@ -120,3 +122,49 @@ def test_tool_calls_of_the_last_turn_are_not_run(tokenizer):
     assert [c.tool_calls for c in rollouts.conversations] == [0, 0, 0, 0]
     assert rollouts.ended_with_eos.tolist() == [True] * 4
     assert rollouts.completion_text[0] == TURN_1[0]
+
+
+def test_an_environment_per_rollout_gives_tools_prompt_text_and_a_reward(tokenizer):
+    model = tiny_qwen2(vocab_size=len(tokenizer))
+    script = ScriptedGeneration(model, tokenizer, [
+        [CALL.format(name="guess", arguments=f'{{"number": {n}}}') for n in (4, 2, 30, 42)],
+        "done"])
+    engine = HFRolloutEngine(model, tokenizer, max_new_tokens=400)
+    multi_turn = MultiTurnRollouts(ToolChat(tokenizer), ToolRunner(timeout_s=5.0, max_hung_calls=1),
+                                   environments=Environments(GuessEnvironment), max_turns=2, max_tokens=400)
+    batch = {"prompt_text": ["unused", "unused"], "prompt": [p[0]["content"] for p in PROMPTS], "answer": ["4", "42"]}
+    rollouts = multi_turn.generate(engine, PROMPTS, [{"answer": "4"}, {"answer": "42"}], num_generations=2)
+    assert "2+3? Guess my number.<|im_end|>" in tokenizer.decode(script.inputs[0][0])
+    assert [c.messages[1]["content"] for c in rollouts.conversations] == ["right", "higher", "higher", "right"]
+    seen = {}
+
+    def answer_length(completions, transcripts, **columns):
+        seen["transcripts"] = transcripts
+        return [float(len(c)) for c in completions]
+
+    scores, _ = score_rollouts(RewardRunner([answer_length]), rollouts, batch, n=2)
+    assert scores.per_function == {"answer_length": [4.0] * 4, "GuessEnvironment": [1.0, 0.0, 0.0, 1.0]}
+    assert scores.total == [5.0, 4.0, 4.0, 5.0]
+    assert seen["transcripts"][0] == [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "guess", "arguments": {"number": 4}}}]},
+        {"role": "tool", "name": "guess", "content": "right"},
+        {"role": "assistant", "content": "done"},
+    ]
+
+
+def test_a_failing_environment_reward_is_counted_not_raised(tokenizer):
+    class Failing(GuessEnvironment):
+        def get_reward(self) -> float:
+            raise ValueError("no score")
+
+    model = tiny_qwen2(vocab_size=len(tokenizer))
+    ScriptedGeneration(model, tokenizer, ["no guess"])
+    multi_turn = MultiTurnRollouts(ToolChat(tokenizer), ToolRunner(timeout_s=5.0, max_hung_calls=1),
+                                   environments=Environments(Failing), max_turns=2, max_tokens=400)
+    rollouts = multi_turn.generate(HFRolloutEngine(model, tokenizer, max_new_tokens=400), PROMPTS[:1], [{"answer": "1"}],
+                                   num_generations=2)
+    batch = {"prompt_text": ["unused"], "prompt": ["2+3?"], "answer": ["1"]}
+    scores, _ = score_rollouts(RewardRunner([lambda completions, **columns: [None, 1.0]]), rollouts, batch, n=2)
+    assert scores.per_function["Failing"] == [None, None]
+    assert (scores.failures, scores.unscored, scores.total) == (2, 0, [0.0, 1.0])
