@@ -26,6 +26,7 @@ from lightning_logra.hooks import LoGRAStepInputs
 from lightning_logra.models import build_model, load_tokenizer, model_source, with_lora
 from lightning_logra.modules.arguments import check_arguments
 from lightning_logra.modules.completions import completion_table, log_completion_table
+from lightning_logra.modules.multi_turn import build_multi_turn, prompt_conversations
 from lightning_logra.modules.prompt_checks import check_answer_column, drop_prompts_past_positions, warn_if_unscored
 from lightning_logra.rewards.runner import RewardRunner, RewardScores
 from lightning_logra.rollout.base import RolloutEngine, Rollouts
@@ -39,7 +40,6 @@ from lightning_logra.rl.batch import (
     mini_batch_rows,
 )
 from lightning_logra.rl.collectives import any_rank, gather_ranks
-from lightning_logra.modules.multi_turn import build_multi_turn, prompt_conversations
 from lightning_logra.rl.config import LoRAConfig, LossConfig, MultiTurnConfig, OptimizerConfig, RolloutConfig, lr_factor
 from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE
 from lightning_logra.rl.losses import NonFiniteRewards, RunningBaseline, group_advantages
@@ -261,7 +261,8 @@ class GRPOModule(L.LightningModule):
         data = self.trainer.datamodule
         if isinstance(data, PromptDataModule):
             check_answer_column(data, self.reward_runner)
-            drop_prompts_past_positions(data, self.model_config, self.tokenizer, self.rollout_config.max_new_tokens)
+            drop_prompts_past_positions(data, self.model_config, self.tokenizer, self.rollout_config.max_new_tokens,
+                                        0 if self.multi_turn is None else self.multi_turn.tool_prompt_tokens())
 
     # Training ---------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:

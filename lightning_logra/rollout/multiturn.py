@@ -66,6 +66,16 @@ class MultiTurnRollouts:
         self.max_turns = max_turns
         self.max_tokens = max_tokens
 
+    def tool_prompt_tokens(self) -> int:
+        """Tokens a prompt gains when rendered with the tools (at least 0), beside the plain
+        rendering by the tokenizer's template that data modules write."""
+        messages = [{"role": "user", "content": "."}]
+        with_tools = self.chat.prompt_ids(messages, self.schemas)
+        tokenizer = self.chat.tokenizer
+        plain = self.chat.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)) \
+            if getattr(tokenizer, "chat_template", None) else []
+        return max(0, len(with_tools) - len(plain))
+
     def generate(
         self,
         engine: RolloutEngine,

@@ -9,7 +9,11 @@ import torch
 
 from lightning_logra import LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.modules import MultiTurnConfig, RolloutConfig
-from tests.helpers.grpo import grpo_module, prompt_data
+from lightning_logra.modules.completions import completion_table
+from lightning_logra.rewards import RewardScores
+from lightning_logra.rl.sampling import ScoredRollouts
+from lightning_logra.rollout.base import Conversation, pack_rollouts
+from tests.helpers.grpo import fit_grpo, grpo_module, prompt_data
 from tests.helpers.lightning import record_step_inputs
 from tests.helpers.tools import ScriptedGeneration
 
@@ -78,3 +82,27 @@ def test_dense_step_with_tools_trains_on_generated_tokens_only(model_folder, mon
     check_metrics(rollouts, logged)
     assert torch.equal(masks[0], rollouts.completion_mask[:, 1:].bool())
     assert not masks[0][rollouts.environment_mask[:, 1:].bool()].any()
+
+
+def test_completion_tables_show_whole_transcripts():
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    conversation = Conversation(messages=[{"role": "assistant", "content": "", "tool_calls": [call]},
+                                          {"role": "tool", "name": "add", "content": "5"},
+                                          {"role": "assistant", "content": "It is 5"}], turns=2, tool_calls=1)
+    rollouts = pack_rollouts([[1]], [[2, 3, 4]], [[-1.0, 0.0, -1.0]], ["It is 5"], [True], pad_token_id=0,
+                             environment_masks=[[0, 1, 0]], conversations=[conversation])
+    scores = RewardScores([1.0], {"math_reward": [1.0]}, failures=0, unscored=0)
+    table = completion_table(ScoredRollouts(rollouts, {"prompt_text": ["q"], "answer": ["5"]}, scores,
+                                            torch.tensor([1.0])), step=0, count=1)
+    assert table["completion"] == ['[assistant]\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n[tool add]\n5\n'
+                                   '[assistant]\nIt is 5']
+    assert (table["length"], table["turns"], table["tool_calls"], table["tool_failures"]) == ([2], [2], [1], [0])
+
+
+def test_the_tools_listing_counts_against_the_models_positions(model_folder):
+    grpo = grpo_module(model_folder, tools=["tests.helpers.tools:add"])  # max_new_tokens 6
+    grpo.model_config.max_position_embeddings = 200  # a plain prompt fits; with the tools listed none does
+    listing = grpo.multi_turn.tool_prompt_tokens()
+    with pytest.raises(ValueError, match=rf"rollout.max_new_tokens = 6 and the {listing} tokens listing the tools "
+                                         r"leave no room for a prompt in the model's 200 positions"):
+        fit_grpo(grpo, model_folder, steps=1)

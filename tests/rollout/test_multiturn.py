@@ -168,3 +168,11 @@ def test_a_failing_environment_reward_is_counted_not_raised(tokenizer):
     scores, _ = score_rollouts(RewardRunner([lambda completions, **columns: [None, 1.0]]), rollouts, batch, n=2)
     assert scores.per_function["Failing"] == [None, None]
     assert (scores.failures, scores.unscored, scores.total) == (2, 0, [0.0, 1.0])
+
+
+def test_the_tools_listing_is_counted_against_the_models_positions(tokenizer):
+    multi_turn = sampler(tokenizer)
+    plain = tokenizer.apply_chat_template(PROMPTS[0], tokenize=False, add_generation_prompt=True)
+    listed = len(multi_turn.chat.prompt_ids(PROMPTS[0], multi_turn.schemas))
+    assert multi_turn.tool_prompt_tokens() == listed - len(tokenizer(plain, add_special_tokens=False)["input_ids"])
+    assert multi_turn.tool_prompt_tokens() > 300  # the two schemas and the instruction, byte tokens
