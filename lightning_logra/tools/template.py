@@ -15,11 +15,9 @@ model generated is ever re-tokenised) and appended to the generated tokens as th
 
 from __future__ import annotations
 
-import logging
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_logra.tools.calls import ToolCall
-
-log = logging.getLogger(__name__)
 
 TOOL_CHATML_TEMPLATE = (
     "{% set body = messages[1:] if messages and messages[0].role == 'system' else messages %}"
@@ -67,8 +65,8 @@ class ToolChat:
                     "the tokenizer's chat template does not render tools and is not ChatML, the one format with a "
                     "built-in tool template: set multi_turn.chat_template to a template that renders `tools`, "
                     "assistant `tool_calls` and `tool` messages")
-            log.info("The tokenizer's chat template ignores tools: using the built-in ChatML tool template "
-                     "(Qwen2.5's <tool_call> layout)")
+            rank_zero_info("The tokenizer's chat template ignores tools: using the built-in ChatML tool template "
+                           "(Qwen2.5's <tool_call> layout; multi_turn.chat_template sets another)")
             chat_template = TOOL_CHATML_TEMPLATE
         self.chat_template = chat_template
         self.end_of_turn_id = tokenizer.eos_token_id

@@ -23,13 +23,14 @@ TURN_1 = [CALL, "7", CALL.replace('"add"', '"subtract"'), CALL]
 TURN_2 = ["5", "no", "5"]
 
 
-def tool_step(folder, strategy):
+def tool_step(folder, strategy, turns=(TURN_1, TURN_2), **tools):
     """One step; returns the rollouts it trained on, the logged metrics and the LoGRA step
     inputs (under logra_fsdp)."""
-    grpo = grpo_module(folder, tools=["tests.helpers.tools:add"], multi_turn=MultiTurnConfig(max_turns=2),
-                       rollout=RolloutConfig(num_generations=2, max_new_tokens=600, val_generations=2))
+    grpo = grpo_module(folder, multi_turn=MultiTurnConfig(max_turns=2),
+                       rollout=RolloutConfig(num_generations=2, max_new_tokens=600, val_generations=2),
+                       **(tools or {"tools": ["tests.helpers.tools:add"]}))
     grpo.configure_model()
-    ScriptedGeneration(grpo.policy, grpo.tokenizer, [TURN_1, TURN_2])
+    ScriptedGeneration(grpo.policy, grpo.tokenizer, list(turns))
     sampled, generate = [], grpo.multi_turn.generate
     grpo.multi_turn.generate = lambda *args, **kwargs: sampled.append(generate(*args, **kwargs)) or sampled[-1]
     step_inputs = record_step_inputs(grpo)
@@ -106,3 +107,13 @@ def test_the_tools_listing_counts_against_the_models_positions(model_folder):
     with pytest.raises(ValueError, match=rf"rollout.max_new_tokens = 6 and the {listing} tokens listing the tools "
                                          r"leave no room for a prompt in the model's 200 positions"):
         fit_grpo(grpo, model_folder, steps=1)
+
+
+def test_an_environments_reward_is_one_more_source(model_folder):
+    guess = '<tool_call>{"name": "guess", "arguments": {"number": 7}}</tool_call>'
+    rollouts, logged, _ = tool_step(model_folder, "auto", turns=[guess, "done"],
+                                    environment_factory="tests.helpers.tools:GuessEnvironment")
+    rewards = [conversation.environment_reward for conversation in rollouts.conversations]
+    assert [c.messages[1]["name"] for c in rollouts.conversations] == ["guess"] * 4
+    assert logged["reward/GuessEnvironment/mean"] == pytest.approx(sum(rewards) / 4)
+    assert logged["tools/calls_per_sample"] == 1.0 and logged["turns/mean"] == 2.0

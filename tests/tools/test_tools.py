@@ -1,22 +1,27 @@
 """Tools: schemas from callables, tool calls parsed from text, execution that turns every
 failure into an error message for the model, the calculator, environments."""
 
+import logging
 import time
 
 import pytest
 
 from lightning_logra.tools import (
+    TOOL_CHATML_TEMPLATE,
     Environments,
     HungToolsError,
     ToolCall,
+    ToolChat,
     ToolRunner,
     calculator,
     environment_tools,
     load_tools,
     parse_tool_calls,
+    renders_tools,
     tool_schema,
 )
 from tests.helpers import tools as helpers
+from tests.helpers.models import byte_tokenizer
 from tests.helpers.tools import GuessEnvironment, add, broken, count_words, hang, listing
 
 
@@ -158,3 +163,20 @@ def test_an_environment_without_reset_is_refused():
 
     with pytest.raises(TypeError, match="environment_factory: NoReset has no reset"):
         Environments(NoReset)
+
+
+def test_a_template_that_ignores_tools_falls_back_to_the_chatml_tool_template(tmp_path, caplog):
+    tokenizer = byte_tokenizer(tmp_path)  # its ChatML template ignores tools=
+    assert not renders_tools(tokenizer)
+    with caplog.at_level(logging.INFO):
+        chat = ToolChat(tokenizer)
+    assert chat.chat_template == TOOL_CHATML_TEMPLATE
+    assert "chat template ignores tools: using the built-in ChatML tool template" in caplog.text
+    assert ToolChat(tokenizer, chat_template="{{ messages }}").chat_template == "{{ messages }}"
+    tokenizer.chat_template = TOOL_CHATML_TEMPLATE  # a template that renders tools is used as it is
+    assert renders_tools(tokenizer) and ToolChat(tokenizer).chat_template is None
+    tokenizer.chat_template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"  # not ChatML-aware
+    assert not renders_tools(tokenizer)
+    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>"})
+    with pytest.raises(ValueError, match="does not render tools and is not ChatML.*multi_turn.chat_template"):
+        ToolChat(tokenizer)
