@@ -23,12 +23,13 @@ TURN_1 = [CALL, "7", CALL.replace('"add"', '"subtract"'), CALL]
 TURN_2 = ["5", "no", "5"]
 
 
-def tool_step(folder, strategy, turns=(TURN_1, TURN_2), **tools):
-    """One step; returns the rollouts it trained on, the logged metrics and the LoGRA step
-    inputs (under logra_fsdp)."""
+def tool_step(folder, strategy, turns=(TURN_1, TURN_2), **tool_sources):
+    """One step with ``turns`` scripted and ``tool_sources`` (``tools=``/``environment_factory=``;
+    default the ``add`` tool); returns the rollouts it trained on, the logged metrics and the
+    LoGRA step inputs (under logra_fsdp)."""
     grpo = grpo_module(folder, multi_turn=MultiTurnConfig(max_turns=2),
                        rollout=RolloutConfig(num_generations=2, max_new_tokens=600, val_generations=2),
-                       **(tools or {"tools": ["tests.helpers.tools:add"]}))
+                       **(tool_sources or {"tools": ["tests.helpers.tools:add"]}))
     grpo.configure_model()
     ScriptedGeneration(grpo.policy, grpo.tokenizer, list(turns))
     sampled, generate = [], grpo.multi_turn.generate
