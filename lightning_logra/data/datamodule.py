@@ -160,12 +160,18 @@ class PromptDataModule(LightningDataModule):
 
     def render_prompt(self, row: dict) -> str:
         """The text to generate from: the row's chat, with ``instruction`` and ``system_prompt``."""
-        messages = self._with_instruction(_as_messages(_original_prompt(row)))
-        if self.system_prompt and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        messages = self.prompt_messages(row)
         if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return "\n\n".join(message["content"] for message in messages)
+
+    def prompt_messages(self, row: dict) -> list[dict]:
+        """The row's chat before rendering: its messages with ``instruction`` and
+        ``system_prompt`` (what multi-turn rollouts render anew with the tools' schemas)."""
+        messages = self._with_instruction(_as_messages(_original_prompt(row)))
+        if self.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        return messages
 
     def _with_instruction(self, messages: list[dict]) -> list[dict]:
         """A copy of ``messages`` with ``instruction`` appended to the last user message."""
