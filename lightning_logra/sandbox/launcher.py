@@ -26,7 +26,7 @@ import sys
 SETUP_FAILED = 125  # exit status when the sandbox could not be set up; the program never ran
 SETUP_MESSAGE = "lightning_logra.sandbox setup failed: "
 
-MS_RDONLY, MS_REMOUNT, MS_BIND = 0x1, 0x20, 0x1000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND = 0x1, 0x2, 0x4, 0x20, 0x1000
 # statvfs flags that a read-only remount must repeat (the kernel refuses to drop a flag
 # locked by the parent namespace); they equal their MS_* counterparts.
 KEPT_FLAGS = (os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC | os.ST_NOATIME | os.ST_NODIRATIME | os.ST_RELATIME)
@@ -82,17 +82,20 @@ def install_filter(libc, machine: str) -> None:
 
 def read_only_everywhere_but(libc, workdir: str) -> None:
     """Bind the working directory onto itself (a mount of its own, left writable), then
-    remount every other mount read-only."""
+    remount every other mount read-only, ``/proc`` and ``/sys`` included (where the trainer
+    runs as root, the program's user is root's owner of their files: of the host's
+    sysctls), with no device files (``nodev``: an owner's write to a device node, a disk,
+    is no file write that read-only stops) and no set-user-ID programs."""
     _mount(libc, workdir, workdir, MS_BIND)
     with open("/proc/self/mountinfo", encoding="utf-8") as mountinfo:
         # mountinfo writes a space, tab, newline or backslash in a path as an octal escape.
         points = {re.sub(r"\\([0-7]{3})", lambda code: chr(int(code[1], 8)), line.split()[4]) for line in mountinfo}
-    for point in sorted(points - {workdir, "/proc"}):
+    for point in sorted(points - {workdir}):
         try:
             flags = os.statvfs(point).f_flag & KEPT_FLAGS
         except (FileNotFoundError, PermissionError):
             continue  # out of reach (removed, or under a directory not even process 1 may enter): so for the program
-        _mount(libc, None, point, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
+        _mount(libc, None, point, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | flags)
 
 
 def _mount(libc, source: str | None, target: str, flags: int) -> None:

@@ -95,6 +95,17 @@ def test_the_program_holds_no_capabilities_and_threads_work_but_processes_do_not
     assert result.output.split("\n")[:3] == ["0000000000000000", "thread ran", "fork refused"]
 
 
+def test_host_settings_and_device_files_cannot_be_opened_for_writing():
+    """``/proc/sys`` (the host's sysctls, writable by their owner when the trainer is root)
+    and device files (a disk, even ``/dev/null``) are out of reach. Opened, never written."""
+    program = ("for path in ['/proc/sys/vm/overcommit_ratio', '/sys/kernel/mm/transparent_hugepage/enabled', "
+               "'/dev/null']:\n"
+               "    try:\n        open(path, 'r+b').close()\n        print('opened', path)\n"
+               "    except OSError as error:\n        print('refused', path, error.errno)\n")
+    lines = run_python(program, ROOMY).output.splitlines()
+    assert [line.split()[0] for line in lines] == ["refused"] * 3, lines
+
+
 @pytest.mark.parametrize("name", ["../escaped.txt", "/tmp/x", "..", "program.py", ""])
 def test_a_file_name_that_is_not_plain_is_refused(name, tmp_path):
     with pytest.raises(ValueError, match=r"run_python: files\[.*a file name must be a plain name"):
