@@ -33,21 +33,24 @@ KEPT_FLAGS = (os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC | os.ST_NOATIME | os.ST_
 
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 CLONE_THREAD = 0x00010000
+AF_UNIX = 1
 EPERM, ENOSYS = 1, 38
 X32_SYSCALLS = 0x40000000  # x86-64's x32 numbering, which the filter would not recognise: refused
-# (audit arch, syscalls that always make a process, clone, clone3) per machine.
+# (audit arch, syscalls that always make a process, clone, clone3, socket) per machine.
 SYSCALLS = {
-    "x86_64": (0xC000003E, (57, 58), 56, 435),   # fork, vfork; clone; clone3
-    "aarch64": (0xC00000B7, (), 220, 435),
+    "x86_64": (0xC000003E, (57, 58), 56, 435, 41),   # fork, vfork; clone; clone3; socket
+    "aarch64": (0xC00000B7, (), 220, 435, 198),
 }
 
 
 def no_new_processes_filter(machine: str) -> bytes:
     """A seccomp BPF program: fork and vfork fail with EPERM, clone too unless it makes a
     thread (CLONE_THREAD in its flags), clone3 with ENOSYS (its flags sit behind a pointer
-    the filter cannot read; the C library then falls back to clone); any other machine's
-    system call convention (or x32's numbers) kills the process."""
-    arch, forks, clone, clone3 = SYSCALLS[machine]
+    the filter cannot read; the C library then falls back to clone); a Unix-domain socket
+    fails with EPERM (a read-only mount does not stop connecting to a socket file, such as
+    a container runtime's, which the program's user may own); any other machine's system
+    call convention (or x32's numbers) kills the process."""
+    arch, forks, clone, clone3, socket = SYSCALLS[machine]
     allow, kill = 0x7FFF0000, 0x80000000
     refuse, missing = 0x00050000 | EPERM, 0x00050000 | ENOSYS
 
@@ -62,6 +65,8 @@ def no_new_processes_filter(machine: str) -> bytes:
     program += [statement(jump_equal, clone3, 0, 1), statement(ret, missing),
                 statement(jump_equal, clone, 0, 4), statement(load, 16),  # clone's flags (low 32 bits)
                 statement(jump_set, CLONE_THREAD, 0, 1), statement(ret, allow), statement(ret, refuse),
+                statement(jump_equal, socket, 0, 4), statement(load, 16),  # socket's domain
+                statement(jump_equal, AF_UNIX, 0, 1), statement(ret, refuse), statement(ret, allow),
                 statement(ret, allow)]
     return b"".join(program)
 

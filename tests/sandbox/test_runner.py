@@ -1,6 +1,7 @@
 """One program's run: what the result says, the working directory, the environment, and
 the refusal where namespaces are missing."""
 
+import socket
 import tempfile
 import warnings
 
@@ -104,6 +105,20 @@ def test_host_settings_and_device_files_cannot_be_opened_for_writing():
                "    except OSError as error:\n        print('refused', path, error.errno)\n")
     lines = run_python(program, ROOMY).output.splitlines()
     assert [line.split()[0] for line in lines] == ["refused"] * 3, lines
+
+
+def test_a_unix_socket_of_the_trainer_cannot_be_reached(tmp_path_factory):
+    """A read-only mount does not stop a connection to a socket file (a container runtime's,
+    say), so Unix-domain sockets are refused; socket pairs still work."""
+    path = tmp_path_factory.mktemp("trainer-socket") / "trainer.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))
+        listener.listen()
+        program = (f"import socket\nleft, right = socket.socketpair()\nprint('pair')\n"
+                   f"socket.socket(socket.AF_UNIX).connect({str(path)!r})\nprint('connected')")
+        result = run_python(program, ROOMY)
+    assert result.output.startswith("pair\n") and "connected" not in result.output
+    assert "PermissionError" in result.output
 
 
 @pytest.mark.parametrize("name", ["../escaped.txt", "/tmp/x", "..", "program.py", ""])
