@@ -5,10 +5,11 @@ Run as a script by a fresh interpreter (``python -I -S launcher.py <settings jso
 process 1 of new user, mount, PID, network, IPC and UTS namespaces made by ``unshare``
 (or, opted out, without them); standard library only, imports nothing of the package.
 
-Process 1 makes every mount read-only except a bind mount of the working directory (the
-kernel lets the namespace's root do so; fail closed: a mount it cannot make read-only
-ends the run before the program starts), then forks the program: new limits
-(``setrlimit``), a seccomp filter that refuses every new process (threads stay allowed),
+Process 1 makes every mount read-only, without device files, except a bind mount of the
+working directory (the kernel lets the namespace's root do so; fail closed: a mount it
+cannot remount ends the run before the program starts), then forks the program: new limits
+(``setrlimit``), a seccomp filter that refuses every new process (threads stay allowed)
+and Unix-domain sockets,
 then ``setpriv`` drops all capabilities, for good (``no_new_privs``), and executes the
 interpreter on the program. When the program exits, process 1 exits with its status
 (``128 + n`` for signal ``n``) and the kernel kills whatever is left in the namespace.
@@ -43,7 +44,7 @@ SYSCALLS = {
 }
 
 
-def no_new_processes_filter(machine: str) -> bytes:
+def seccomp_filter(machine: str) -> bytes:
     """A seccomp BPF program: fork and vfork fail with EPERM, clone too unless it makes a
     thread (CLONE_THREAD in its flags), clone3 with ENOSYS (its flags sit behind a pointer
     the filter cannot read; the C library then falls back to clone); a Unix-domain socket
@@ -72,7 +73,7 @@ def no_new_processes_filter(machine: str) -> bytes:
 
 
 def install_filter(libc, machine: str) -> None:
-    code = no_new_processes_filter(machine)
+    code = seccomp_filter(machine)
     buffer = ctypes.create_string_buffer(code, len(code))
 
     class Program(ctypes.Structure):
