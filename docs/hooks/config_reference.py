@@ -60,6 +60,9 @@ SECTIONS = (
             "YAML `model.init_args.rollout`; Python `GRPOModule(rollout=RolloutConfig(...))`"),
     Section("lightning_logra.rl.config:OptimizerConfig",
             "YAML `model.init_args.optimizer`; Python `GRPOModule(optimizer=OptimizerConfig(...))`"),
+    Section("lightning_logra.rl.config:MultiTurnConfig",
+            "YAML `model.init_args.multi_turn`; Python `GRPOModule(multi_turn=MultiTurnConfig(...))` (with `tools` "
+            "or `environment_factory`)"),
     Section("lightning_logra.rl.config:LoRAConfig",
             "YAML `model.init_args.lora` (setting it trains LoRA adapters); Python `GRPOModule(lora=LoRAConfig(...))`"),
     Section("lightning_logra.data.datamodule:PromptDataModule",

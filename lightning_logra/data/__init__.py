@@ -1,5 +1,6 @@
 """Prompt data for RL post-training: row sources, validation and a LightningDataModule."""
 
+from lightning_logra.data.code_tasks import code_rows
 from lightning_logra.data.datamodule import (
     PromptDataModule,
     PromptDataset,
@@ -15,6 +16,7 @@ __all__ = [
     "ResumableLoader",
     "ResumableSampler",
     "arithmetic_rows",
+    "code_rows",
     "collate_prompts",
     "read_rows",
     "reasoning_gym_rows",

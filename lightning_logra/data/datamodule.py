@@ -10,6 +10,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_logra.core.validation import FieldChecks
+from lightning_logra.data.code_tasks import code_rows
 from lightning_logra.data.sources import arithmetic_rows, read_rows, reasoning_gym_rows, validate_rows
 
 
@@ -25,8 +26,8 @@ class PromptDataModule(LightningDataModule):
 
     Sources (``train``, ``val``): a ``.jsonl``/``.json``/``.parquet`` file, a Hugging Face
     dataset name (``train_split``/``val_split``), ``"arithmetic"`` (synthetic, see
-    ``arithmetic_rows``) or ``"reasoning_gym:<task>"``; the built-in ones draw
-    ``train_size``/``val_size`` rows, the validation rows from ``seed + 1``.
+    ``arithmetic_rows``), ``"code"`` (see ``code_rows``) or ``"reasoning_gym:<task>"``; the
+    built-in ones draw ``train_size``/``val_size`` rows, the validation rows from ``seed + 1``.
 
     Prompts are rendered with the tokenizer's chat template (``add_generation_prompt=True``)
     when it has one, after ``system_prompt``; otherwise the message contents are joined.
@@ -39,6 +40,8 @@ class PromptDataModule(LightningDataModule):
     (TRL's conversational format), so that functions written for chat datasets (most of
     ``trl.rewards``) receive their completions as messages; the rendered text is the same.
     ``"arithmetic:<max_digits>"`` sets the operands' digits of the built-in source (2 by default).
+    ``"code:<level>"`` (1 by default, or 2) draws small Python functions to write, with
+    hidden tests in a ``tests`` column for ``code_execution_reward`` (see ``code_rows``).
 
     ``field_map`` renames a dataset's columns to ``prompt``/``messages``/``answer`` before
     validation, e.g. ``{"question": "prompt"}`` for GSM8K (whose ``answer`` ends in ``#### N``,
@@ -160,12 +163,18 @@ class PromptDataModule(LightningDataModule):
 
     def render_prompt(self, row: dict) -> str:
         """The text to generate from: the row's chat, with ``instruction`` and ``system_prompt``."""
-        messages = self._with_instruction(_as_messages(_original_prompt(row)))
-        if self.system_prompt and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        messages = self.prompt_messages(row)
         if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return "\n\n".join(message["content"] for message in messages)
+
+    def prompt_messages(self, row: dict) -> list[dict]:
+        """The row's chat before rendering: its messages with ``instruction`` and
+        ``system_prompt`` (what multi-turn rollouts render anew with the tools' schemas)."""
+        messages = self._with_instruction(_as_messages(_original_prompt(row)))
+        if self.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        return messages
 
     def _with_instruction(self, messages: list[dict]) -> list[dict]:
         """A copy of ``messages`` with ``instruction`` appended to the last user message."""
@@ -186,6 +195,11 @@ class PromptDataModule(LightningDataModule):
             if digits and not digits.isdigit():
                 raise ValueError(f"{name!r}: write arithmetic:<max_digits>, e.g. arithmetic:1")
             rows = arithmetic_rows(size, seed, max_digits=int(digits or 2))
+        elif name == "code" or name.startswith("code:"):
+            level = name.partition(":")[2]
+            if level not in ("", "1", "2"):
+                raise ValueError(f"{name!r}: write code:<level>, level 1 or 2, e.g. code:1")
+            rows = code_rows(size, seed, level=int(level or 1))
         elif name.startswith("reasoning_gym:"):
             rows = reasoning_gym_rows(name.removeprefix("reasoning_gym:"), size, seed)
         else:

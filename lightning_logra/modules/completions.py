@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger
@@ -12,14 +13,19 @@ from lightning_logra.rl.sampling import ScoredRollouts
 def completion_table(scored: ScoredRollouts, step: int, count: int) -> dict[str, list]:
     """The first ``count`` samples as columns ``step, prompt, completion, answer, reward``,
     one column per reward function (its raw score, None where it did not apply), ``length``
-    (completion tokens) and ``truncated`` (hit the token limit)."""
+    (generated tokens) and ``truncated`` (hit the token limit); with tools, ``completion``
+    is the whole transcript (every turn and tool result) and ``turns``, ``tool_calls`` and
+    ``tool_failures`` follow."""
     rollouts, rows = scored.rollouts, range(min(count, scored.rewards.numel()))
     lengths = rollouts.completion_mask.sum(dim=1).tolist()
     answers = scored.columns.get("answer") or [None] * scored.rewards.numel()
+    conversations = rollouts.conversations
+    completions = rollouts.completion_text if conversations is None else [transcript_text(c.messages)
+                                                                          for c in conversations]
     table: dict[str, list] = {
         "step": [step for _ in rows],
         "prompt": [scored.columns["prompt_text"][row] for row in rows],
-        "completion": [rollouts.completion_text[row] for row in rows],
+        "completion": [completions[row] for row in rows],
         "answer": [answers[row] for row in rows],
         "reward": [float(scored.rewards[row]) for row in rows],
     }
@@ -27,7 +33,23 @@ def completion_table(scored: ScoredRollouts, step: int, count: int) -> dict[str,
         table[f"reward/{name}"] = [scores[row] for row in rows]
     table["length"] = [int(lengths[row]) for row in rows]
     table["truncated"] = [not bool(rollouts.ended_with_eos[row]) for row in rows]
+    if conversations is not None:
+        table["turns"] = [conversations[row].turns for row in rows]
+        table["tool_calls"] = [conversations[row].tool_calls for row in rows]
+        table["tool_failures"] = [conversations[row].tool_failures for row in rows]
     return table
+
+
+def transcript_text(messages: list[dict]) -> str:
+    """A multi-turn completion as text: each message after a ``[role]`` line, tool calls as
+    the JSON the model wrote, tool results with the tool's name."""
+    parts = []
+    for message in messages:
+        role = f"tool {message['name']}" if message["role"] == "tool" else message["role"]
+        calls = [json.dumps({"name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+                 for call in message.get("tool_calls", [])]
+        parts.append("\n".join([f"[{role}]", *([message["content"]] if message["content"] else []), *calls]))
+    return "\n".join(parts)
 
 
 def log_completion_table(loggers: list[Logger], table: dict[str, list], step: int) -> None:

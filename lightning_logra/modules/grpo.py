@@ -22,23 +22,25 @@ from torchmetrics import MeanMetric
 from lightning_logra.core.reliability import memory_phase
 from lightning_logra.core.validation import deprecated_attributes, renamed_field
 from lightning_logra.data import PromptDataModule
-from lightning_logra.hooks import LoGRAStepInputs, last_step_report
+from lightning_logra.hooks import LoGRAStepInputs
 from lightning_logra.models import build_model, load_tokenizer, model_source, with_lora
 from lightning_logra.modules.arguments import check_arguments
 from lightning_logra.modules.completions import completion_table, log_completion_table
+from lightning_logra.modules.multi_turn import build_multi_turn, prompt_conversations
 from lightning_logra.modules.prompt_checks import check_answer_column, drop_prompts_past_positions, warn_if_unscored
 from lightning_logra.rewards.runner import RewardRunner, RewardScores
-from lightning_logra.rollout.base import RolloutEngine
-from lightning_logra.rollout.engines import build_engine
+from lightning_logra.rollout.base import RolloutEngine, Rollouts
+from lightning_logra.rollout.engines import build_engine, step_low_rank_updates, sync_engine
 from lightning_logra.rl.batch import (
     BACKWARD_HINT,
     MicroBatching,
     RolloutBatch,
     backward_micro_batches,
     batch_logprobs,
+    mini_batch_rows,
 )
 from lightning_logra.rl.collectives import any_rank, gather_ranks
-from lightning_logra.rl.config import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig, lr_factor
+from lightning_logra.rl.config import LoRAConfig, LossConfig, MultiTurnConfig, OptimizerConfig, RolloutConfig, lr_factor
 from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE
 from lightning_logra.rl.losses import NonFiniteRewards, RunningBaseline, group_advantages
 from lightning_logra.rl.metrics import PassTotals, PhaseClock, step_metrics
@@ -124,6 +126,13 @@ class GRPOModule(L.LightningModule):
             else ``~/.cache/lightning_logra``).
         seed: base of the sampling seeds, derived per step and rank, so that a resumed run
             samples what the uninterrupted one did.
+        tools: functions the model may call, as import paths ``"module:function"`` (or
+            callables), TRL's ``tools=``: name, type hints and Google-style docstring make each
+            one's schema. Rollouts become conversations (see ``multi_turn`` and the tools guide).
+        environment_factory: TRL's: an import path of (or) a callable returning an object whose
+            public methods are tools, with ``reset(**row)`` and optionally ``get_reward()``; one
+            instance per rollout.
+        multi_turn: turns, tool timeouts and the chat template of tool rollouts (``MultiTurnConfig``).
     """
 
     def __init__(
@@ -147,6 +156,9 @@ class GRPOModule(L.LightningModule):
         logprob_chunk_positions: int = DEFAULT_CHUNK_SIZE,
         cache_dir: str | None = None,
         seed: int = 0,
+        tools: list[str] | None = None,
+        environment_factory: str | None = None,
+        multi_turn: MultiTurnConfig | None = None,
         logprob_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
@@ -190,6 +202,8 @@ class GRPOModule(L.LightningModule):
             self.policy = self._load(empty=False)
             self.policy = with_lora(self.policy, lora)
 
+        self.multi_turn = build_multi_turn(tools, environment_factory, multi_turn or MultiTurnConfig(),
+                                           self.rollout_config.max_new_tokens, self.tokenizer)
         self.reward_runner = RewardRunner(rewards or [DEFAULT_REWARD], weights=reward_weights, timeout_s=reward_timeout_s,
                                           max_consecutive_timeouts=reward_max_consecutive_timeouts)
         self.baseline = RunningBaseline(self.loss_config.baseline_weight, self.loss_config.failure_reward)
@@ -247,7 +261,8 @@ class GRPOModule(L.LightningModule):
         data = self.trainer.datamodule
         if isinstance(data, PromptDataModule):
             check_answer_column(data, self.reward_runner)
-            drop_prompts_past_positions(data, self.model_config, self.tokenizer, self.rollout_config.max_new_tokens)
+            drop_prompts_past_positions(data, self.model_config, self.tokenizer, self.rollout_config.max_new_tokens,
+                                        0 if self.multi_turn is None else self.multi_turn.tool_prompt_tokens())
 
     # Training ---------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
@@ -257,7 +272,8 @@ class GRPOModule(L.LightningModule):
         # earlier steps: a resumed run samples exactly what the uninterrupted one did.
         torch.manual_seed(sampling_seed(self.seed, self.global_step, self.global_rank))
         # Checked before anything is generated; dynamic sampling keeps the number of rows.
-        mini_batches = self._mini_batch_rows(len(batch["prompt_text"]) * self.rollout_config.num_generations)
+        mini_batches = mini_batch_rows(len(batch["prompt_text"]) * self.rollout_config.num_generations,
+                                       self.rollout_config.num_generations, self.mini_batches)
         scored, sampling = self._sample(batch, phases)
         advantages = self._advantages(scored.rewards)
         phases.lap("rewards")
@@ -289,7 +305,8 @@ class GRPOModule(L.LightningModule):
                 trained = self._update(rollout_batch, rows, passes, phases)
                 if rollout_batch.old_logprobs is None:  # one update: its log-probs are those of the weights that sampled
                     rollout_batch.old_logprobs = trained
-        self._sync_engine(passes.updates)
+        sync_engine(self.engine, self.policy, self.rollout_config, passes.updates, self._low_rank_updates)
+        self._low_rank_updates = []
         phases.lap("weight_sync")
         # The one update had no token to train on: no gap to measure.
         old_logprobs = rollout_batch.rollout_logprobs if rollout_batch.old_logprobs is None else rollout_batch.old_logprobs
@@ -322,7 +339,7 @@ class GRPOModule(L.LightningModule):
         finally:
             self._stepping = None
         if self.rollout_config.weight_sync == "lowrank":
-            self._keep_low_rank_update()
+            self._low_rank_updates.append(step_low_rank_updates(self.trainer))
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
@@ -338,15 +355,6 @@ class GRPOModule(L.LightningModule):
                              max_completion_length=self.rollout_config.max_new_tokens, tis=self._tis,
                              micro_batch_tokens=self.micro_batch_tokens)
 
-    def _keep_low_rank_update(self) -> None:
-        """The low-rank form of the LoGRA update that just ran (``[]`` when it was skipped),
-        from its ``StepReport``, for the next weight sync."""
-        report = last_step_report(self.trainer)
-        if report is None:
-            raise ValueError("rollout.weight_sync='lowrank' needs every optimizer step to be a LoGRA update "
-                             f"(strategy logra_fsdp); this run's strategy is {type(self.trainer.strategy).__name__}")
-        self._low_rank_updates.append(list(report.low_rank_updates or []))
-
     def _count_empty_update(self, passes: PassTotals) -> None:
         """An update with nothing to train on is skipped and counted; a run of them means the
         settings leave nothing to learn from, and waiting longer would never reach max_steps."""
@@ -357,27 +365,6 @@ class GRPOModule(L.LightningModule):
                 f"{self._empty_updates_in_a_row} updates in a row had no completion token to train on: with "
                 "loss.mask_truncated every completion hit rollout.max_new_tokens "
                 f"({self.rollout_config.max_new_tokens}); raise it, or turn mask_truncated off")
-
-    def _sync_engine(self, updates: int) -> None:
-        """Bring the rollout engine to the trained weights: in full, or with ``weight_sync:
-        lowrank`` by the LoGRA updates of this step (every one must have reached us)."""
-        if self.rollout_config.weight_sync != "lowrank":
-            self.engine.sync_weights(self.policy)
-            return
-        received, self._low_rank_updates = self._low_rank_updates, []
-        if len(received) != updates:
-            raise ValueError(f"rollout.weight_sync='lowrank' needs every optimizer step to be a LoGRA update "
-                             f"(strategy logra_fsdp); {updates} steps ran, {len(received)} reported one")
-        self.engine.sync_weights(self.policy, low_rank_updates=[u for step in received for u in step])
-
-    def _mini_batch_rows(self, rows: int) -> list[slice]:
-        """Consecutive row ranges of whole prompt groups, one per optimizer step."""
-        prompts = rows // self.rollout_config.num_generations
-        if prompts % self.mini_batches:
-            raise ValueError(f"mini_batches = {self.mini_batches} must divide the {prompts} prompts of a step on each "
-                             "rank (the data module's batch_size)")
-        size = rows // self.mini_batches
-        return [slice(start, start + size) for start in range(0, rows, size)]
 
     def _sample(self, batch: dict[str, list], phases: "PhaseClock"):
         """The step's scored rollouts; with ``rollout.dynamic_sampling`` groups of equal
@@ -396,7 +383,7 @@ class GRPOModule(L.LightningModule):
     def _generate_and_score(self, batch: dict[str, list], phases: "PhaseClock") -> ScoredRollouts:
         config = self.rollout_config
         with memory_phase("rollout", ROLLOUT_HINT):
-            rollouts = self.engine.generate(batch["prompt_text"], num_generations=config.num_generations)
+            rollouts = self._rollouts(batch, config.num_generations)
         phases.lap("generation")
         scores, columns = score_rollouts(self.reward_runner, rollouts, batch, config.num_generations)
         self._warn_if_unscored(scores, columns)
@@ -407,6 +394,14 @@ class GRPOModule(L.LightningModule):
             rewards = rewards + overlong_penalty(lengths, config.max_new_tokens, loss.overlong_buffer, loss.overlong_penalty)
         phases.lap("rewards")
         return ScoredRollouts(rollouts, columns, scores, rewards)
+
+    def _rollouts(self, batch: dict[str, list], num_generations: int, **sampling) -> Rollouts:
+        """The batch's samples: single completions, or with tools conversations."""
+        if self.multi_turn is None:
+            return self.engine.generate(batch["prompt_text"], num_generations=num_generations, **sampling)
+        prompts, rows = prompt_conversations(batch, getattr(self._trainer, "datamodule", None))
+        return self.multi_turn.generate(self.engine, prompts, rows, num_generations=num_generations, device=self.device,
+                                        any_rank=lambda flag: any_rank(flag, self.device), **sampling)
 
     def _warn_if_unscored(self, scores: RewardScores, columns: dict[str, list]) -> None:
         if not self._warned_unscored:  # once: data that causes it causes it at every step
@@ -448,7 +443,7 @@ class GRPOModule(L.LightningModule):
         config = self.rollout_config
         n = config.val_generations
         torch.manual_seed(sampling_seed(self.seed + 1, batch_idx, self.global_rank))
-        rollouts = self.engine.generate(batch["prompt_text"], num_generations=n, temperature=config.val_temperature, top_p=config.val_top_p)
+        rollouts = self._rollouts(batch, n, temperature=config.val_temperature, top_p=config.val_top_p)
         scores, columns = score_rollouts(self.reward_runner, rollouts, batch, n)
         self._warn_if_unscored(scores, columns)
         correct = (torch.tensor(scores.total, device=self.device) > 0).float().view(-1, n)

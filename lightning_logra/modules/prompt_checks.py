@@ -24,19 +24,23 @@ def check_answer_column(data: PromptDataModule, runner: RewardRunner) -> None:
                 "field_map (e.g. {'solution': 'answer'}), or pass reward functions that do not read it")
 
 
-def drop_prompts_past_positions(data: PromptDataModule, model_config, tokenizer, max_new_tokens: int) -> None:
+def drop_prompts_past_positions(data: PromptDataModule, model_config, tokenizer, max_new_tokens: int,
+                                tool_tokens: int = 0) -> None:
     """Drop (and count) prompts that, with ``max_new_tokens`` generated after them, would go
     past the model's ``max_position_embeddings``: generating past them fails deep inside
-    the model (or, with rotary positions, samples from positions it never learnt)."""
+    the model (or, with rotary positions, samples from positions it never learnt).
+    ``tool_tokens``: what listing the tools adds to each prompt (multi-turn rollouts)."""
     positions = getattr(model_config, "max_position_embeddings", None)
     if positions is None:
         return
-    room = positions - max_new_tokens
+    room = positions - max_new_tokens - tool_tokens
+    tools = f" and the {tool_tokens} tokens listing the tools" if tool_tokens else ""
     if room < 1:
-        raise ValueError(f"rollout.max_new_tokens = {max_new_tokens} leaves no room for a prompt in the model's "
+        verb = "leave" if tool_tokens else "leaves"
+        raise ValueError(f"rollout.max_new_tokens = {max_new_tokens}{tools} {verb} no room for a prompt in the model's "
                          f"{positions} positions (max_position_embeddings)")
     data.drop_long_prompts(room, tokenizer, reason=f"the model's {positions} positions less rollout.max_new_tokens "
-                                                   f"= {max_new_tokens}")
+                                                   f"= {max_new_tokens}{tools}")
 
 
 def warn_if_unscored(scores: RewardScores, columns: dict[str, list], runner: RewardRunner) -> bool:

@@ -27,7 +27,6 @@ that is not finite in float32. Each kind of failure is reported once, with a
 """
 
 import asyncio
-import importlib
 import inspect
 import math
 import threading
@@ -36,6 +35,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from lightning_logra.imports import load_object
 from lightning_logra.rewards.workers import (
     FLOAT32_MAX,
     Checked,
@@ -69,23 +69,23 @@ class RewardScores:
     per_function: dict[str, list[float | None]]
     failures: int
     unscored: int
+    failed_samples: frozenset[int] = frozenset()
+    """The samples that lost at least one score to a failure."""
+
+    def with_source(self, name: str, scores: list[float | None], failed: list[bool]) -> "RewardScores":
+        """These scores and one more source's, of weight 1 (an environment's ``get_reward``):
+        ``scores`` finite or None, ``failed`` where the source failed on a sample."""
+        failed_samples = self.failed_samples | {index for index, lost in enumerate(failed) if lost}
+        per_function = {**self.per_function, name: list(scores)}
+        total = [t if score is None else t + score for t, score in zip(self.total, scores)]
+        unscored = sum(1 for i in range(len(total))
+                       if i not in failed_samples and all(values[i] is None for values in per_function.values()))
+        return RewardScores(total, per_function, self.failures + sum(failed), unscored, frozenset(failed_samples))
 
 
 def load_reward(spec: str) -> RewardFunction:
     """Import ``"package.module:function"``."""
-    module_name, separator, attribute = spec.partition(":")
-    if not separator or not module_name or not attribute:
-        raise ValueError(f"reward spec {spec!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ImportError(f"reward spec {spec!r}: cannot import module {module_name!r}: {error}") from error
-    function = getattr(module, attribute, None)
-    if function is None:
-        raise AttributeError(f"reward spec {spec!r}: module {module_name!r} has no attribute {attribute!r}")
-    if not callable(function):
-        raise TypeError(f"reward spec {spec!r}: {attribute!r} is not callable")
-    return function
+    return load_object(spec, "reward")
 
 
 class RewardRunner:
@@ -266,7 +266,7 @@ def _combine(checked: dict[str, Checked], weights: list[float], size: int) -> tu
         1 for i in range(size) if i not in failed and all(scores[i] is None for scores in per_function.values())
     )
     failures = sum(len(result.failed) for result in checked.values()) + len(overflowed)
-    return RewardScores([float(t) for t in total], per_function, failures, unscored), overflowed
+    return RewardScores([float(t) for t in total], per_function, failures, unscored, frozenset(failed)), overflowed
 
 
 def _check_columns(columns: dict, size: int) -> None:

@@ -174,3 +174,13 @@ def _part_weight(loss: LossConfig, mask: torch.Tensor, totals: torch.Tensor) -> 
     if loss.type == "dr_grpo":
         return mask.shape[0] / totals[0]
     return mask.any(dim=1).sum() / totals[1]
+
+
+def mini_batch_rows(rows: int, num_generations: int, mini_batches: int) -> list[slice]:
+    """Consecutive row ranges of whole prompt groups, one per optimizer step."""
+    prompts = rows // num_generations
+    if prompts % mini_batches:
+        raise ValueError(f"mini_batches = {mini_batches} must divide the {prompts} prompts of a step on each "
+                         "rank (the data module's batch_size)")
+    size = rows // mini_batches
+    return [slice(start, start + size) for start in range(0, rows, size)]

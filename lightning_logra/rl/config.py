@@ -140,6 +140,31 @@ class RolloutConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with ``GRPOModule(tools=..., environment_factory=...)``: the model
+    calls tools over several assistant turns. ``rollout.max_new_tokens`` bounds each whole
+    completion, generated and tool tokens together."""
+
+    max_turns: int = 4
+    """Most assistant turns per rollout (tool calls in the last one are not run)."""
+    tool_timeout_s: float = 5.0
+    """Seconds a tool call (and an environment's ``get_reward``) may take; past it the model is told it failed."""
+    max_hung_tool_calls: int = 8
+    """Tool calls still running past their timeout (threads cannot be stopped) before the run stops with an error."""
+    chat_template: str | None = None
+    """A Jinja chat template that renders ``tools``, assistant ``tool_calls`` and ``tool`` messages; None: the
+    tokenizer's when it renders tools, else the built-in ChatML tool template."""
+
+    def __post_init__(self) -> None:
+        check = FieldChecks.of(self)
+        check.integer("max_turns", at_least=1)
+        check.number("tool_timeout_s", above=0)
+        check.integer("max_hung_tool_calls", at_least=0)
+        check.require("chat_template", self.chat_template is None or isinstance(self.chat_template, str),
+                      "a Jinja template string or None")
+
+
+@dataclass
 class OptimizerConfig:
     """AdamW for dense and LoRA training (the paper's dense baseline by default). Under
     ``logra_fsdp`` none of it applies unless ``logra.follow_lr_schedule`` is set: LoGRA's

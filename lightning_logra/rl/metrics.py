@@ -61,7 +61,9 @@ def step_metrics(
     sampling: SamplingStats | None,
 ) -> dict[str, float]:
     """Rewards, completions, the policy's entropy and rollout/trainer gap (at the weights
-    that sampled), loss statistics, per-phase seconds. ``mask`` marks the trained tokens."""
+    that sampled), loss statistics, per-phase seconds; with tools, turns and tool calls per
+    sample and failed tool calls. ``mask`` marks the trained tokens; completion lengths
+    count generated tokens only (never tool results)."""
     rollouts, rewards, device = scored.rollouts, scored.rewards, scored.rewards.device
     lengths = rollouts.completion_mask.sum(dim=1).float()
     groups = rewards.view(-1, num_generations)
@@ -79,6 +81,7 @@ def step_metrics(
         *[value for _, values in functions for value in _moments(values)],
         *((float(sampling.extra_rounds), float(sampling.dropped_groups), float(sampling.unfilled_groups))
           if sampling is not None else ()),
+        *_conversation_totals(rollouts),
     ], device)
     longest = lengths.max().clone()
     if dist.is_available() and dist.is_initialized():
@@ -115,8 +118,24 @@ def step_metrics(
             metrics[f"reward/{name}/mean"] = mean
             metrics[f"reward/{name}/std"] = math.sqrt(max(square / scored_count - mean**2, 0.0))
     if sampling is not None:
-        metrics["sampling/extra_rounds"], metrics["sampling/dropped_groups"], metrics["sampling/unfilled_groups"] = rest
+        metrics["sampling/extra_rounds"], metrics["sampling/dropped_groups"], metrics["sampling/unfilled_groups"] = \
+            rest[:3]
+        rest = rest[3:]
+    if rollouts.conversations is not None:
+        turns, calls, failures = rest
+        metrics["turns/mean"] = turns / count
+        metrics["tools/calls_per_sample"] = calls / count
+        metrics["tools/failures"] = failures
     return metrics
+
+
+def _conversation_totals(rollouts) -> tuple[float, ...]:
+    """Multi-turn rollouts: the sums of assistant turns, tool calls and failed tool calls."""
+    if rollouts.conversations is None:
+        return ()
+    conversations = rollouts.conversations
+    return (float(sum(c.turns for c in conversations)), float(sum(c.tool_calls for c in conversations)),
+            float(sum(c.tool_failures for c in conversations)))
 
 
 def _moments(values: list[float | None]) -> tuple[float, float, float]:

@@ -30,13 +30,25 @@ class ScoredRollouts:
 def score_rollouts(runner: RewardRunner, rollouts: Rollouts, batch: dict[str, list], n: int) -> tuple[RewardScores, dict[str, list]]:
     """Call the reward functions the TRL way: completions (messages for conversational
     prompts), ``prompts``, ``completion_ids`` and every dataset column, one entry per sample.
-    Returns the scores and the batch's columns repeated for each of the ``n`` samples."""
+    Returns the scores and the batch's columns repeated for each of the ``n`` samples.
+
+    Multi-turn rollouts: ``completions`` are the final assistant turns (the answers),
+    ``completion_ids`` the generated tokens of every turn, ``transcripts`` each whole
+    conversation after the prompt (assistant and ``tool`` messages); an environment's
+    ``get_reward()`` is one more source of weight 1, named after its class."""
     columns = {key: [value for value in values for _ in range(n)] for key, values in batch.items()}
     prompts = columns.get("prompt") or columns["prompt_text"]
     completion_ids = [row[mask.bool()].tolist() for row, mask in zip(rollouts.input_ids, rollouts.completion_mask)]
     extra = {key: values for key, values in columns.items() if key not in ("prompt", "prompt_text")}
+    conversations = rollouts.conversations
+    if conversations is not None:
+        extra["transcripts"] = [conversation.messages for conversation in conversations]
     scores = runner(format_completions(prompts, rollouts.completion_text), prompts=prompts,
                     completion_ids=completion_ids, **extra)
+    if conversations is not None and conversations[0].reward_source is not None:
+        scores = scores.with_source(conversations[0].reward_source,
+                                    [conversation.environment_reward for conversation in conversations],
+                                    [conversation.environment_reward_failed for conversation in conversations])
     return scores, columns
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_logra.core.lowrank import LowRankUpdate
-from lightning_logra.rollout.base import Rollouts, check_request, pack_rollouts
+from lightning_logra.rollout.base import Continuation, Rollouts, check_request, pack_rollouts
 
 
 class HFRolloutEngine:
@@ -75,6 +75,36 @@ class HFRolloutEngine:
         encoded = self.tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
         input_ids = encoded["input_ids"].repeat_interleave(num_generations, dim=0).to(self.model.device)
         attention_mask = encoded["attention_mask"].repeat_interleave(num_generations, dim=0).to(self.model.device)
+        completions, token_logprobs = self._sample(input_ids, attention_mask, self.max_new_tokens, temperature, top_p)
+        return self._pack(input_ids, attention_mask, completions, token_logprobs)
+
+    @torch.no_grad()
+    def continue_tokens(self, token_ids: list[list[int]], max_new_tokens: list[int], *, temperature: float | None = None,
+                        top_p: float | None = None) -> list[Continuation]:
+        """One sample after each token list (left-padded together, generated as given), cut
+        to its own ``max_new_tokens``."""
+        temperature = self.temperature if temperature is None else temperature
+        top_p = self.top_p if top_p is None else top_p
+        width = max(len(ids) for ids in token_ids)
+        input_ids = torch.full((len(token_ids), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros(len(token_ids), width, dtype=torch.long)
+        for row, ids in enumerate(token_ids):
+            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids):] = 1
+        device = self.model.device
+        completions, token_logprobs = self._sample(input_ids.to(device), attention_mask.to(device), max(max_new_tokens),
+                                                   temperature, top_p)
+        is_eos = torch.isin(completions, torch.tensor(self.eos_token_ids, device=completions.device)).tolist()
+        continuations = []
+        for ids, logprobs, eos, limit in zip(completions.tolist(), token_logprobs.tolist(), is_eos, max_new_tokens):
+            stop = eos.index(True) + 1 if True in eos[:limit] else limit
+            continuations.append(Continuation(ids[:stop], logprobs[:stop], ended_with_eos=True in eos[:limit]))
+        return continuations
+
+    def _sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, temperature: float,
+                top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``generate`` on a left-padded batch: the generated tokens (padded after EOS) and
+        their log-probs at ``temperature`` over the whole vocabulary."""
         sampling = {"temperature": temperature, "top_p": top_p, "top_k": self.top_k, "typical_p": 1.0}
         # Under FSDP2 every rank must run the same number of forward passes: generation
         # continues on every rank until all have finished.
@@ -85,7 +115,7 @@ class HFRolloutEngine:
             output = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                max_new_tokens=self.max_new_tokens,
+                max_new_tokens=max_new_tokens,
                 do_sample=self.do_sample,
                 repetition_penalty=1.0,
                 pad_token_id=self.tokenizer.pad_token_id,
@@ -105,7 +135,7 @@ class HFRolloutEngine:
             ],
             dim=1,
         )
-        return self._pack(input_ids, attention_mask, completions, token_logprobs)
+        return completions, token_logprobs
 
     def _pack(self, input_ids, attention_mask, completions, token_logprobs) -> Rollouts:
         is_eos = torch.isin(completions, torch.tensor(self.eos_token_ids, device=completions.device))

@@ -25,7 +25,7 @@ from torch import nn
 
 from lightning_logra.core.lowrank import LowRankUpdate
 from lightning_logra.core.projection import canonical_name
-from lightning_logra.rollout.base import Rollouts, check_request, pack_rollouts
+from lightning_logra.rollout.base import Continuation, Rollouts, check_request, pack_rollouts
 
 SYNC_CHECK_TOKENS = 16  # length of the fixed sequence whose log-probs prove a sync
 
@@ -244,6 +244,27 @@ class VLLMRolloutEngine:
             pad_token_id=self.pad_token_id,
             device=torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu"),
         )
+
+    def continue_tokens(self, token_ids: list[list[int]], max_new_tokens: list[int], *, temperature: float | None = None,
+                        top_p: float | None = None) -> list[Continuation]:
+        """One sample after each token list, given to vLLM as token ids (``TokensPrompt``:
+        nothing is re-tokenised), of at most ``max_new_tokens[i]`` tokens."""
+        if not self._weights_current:
+            raise RuntimeError("vLLM's weights were discarded in sleep (sleep_level=2): call sync_weights first")
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        overrides = {k: v for k, v in (("temperature", temperature), ("top_p", top_p)) if v is not None}
+        params = [SamplingParams(**{**self.sampling, **overrides, "max_tokens": limit}) for limit in max_new_tokens]
+        with self._awake():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in token_ids], params,
+                                        use_tqdm=False)
+        return [
+            Continuation(list(sample.token_ids),
+                         [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)],
+                         ended_with_eos=sample.finish_reason == "stop")
+            for sample in (output.outputs[0] for output in outputs)
+        ]
 
     @contextmanager
     def _awake(self):

@@ -16,6 +16,7 @@ from lightning_logra.modules import GRPOModule, OptimizerConfig, RolloutConfig
 from tests.helpers.distributed import run_lightning_on_two_ranks
 from tests.helpers.grpo import rewards
 from tests.helpers.models import byte_tokenizer, favour_token
+from tests.helpers.tools import add
 
 pytestmark = [
     pytest.mark.vllm_cpu,
@@ -26,10 +27,11 @@ PROMPTS = ["What is 2 + 3?", "Hi"]
 
 
 def vllm_sized_qwen2(vocab_size: int) -> Qwen2ForCausalLM:
-    """Tiny, but with 64-wide attention heads: vLLM's CPU attention kernels need head_dim >= 32."""
+    """Tiny, but with 64-wide attention heads: vLLM's CPU attention kernels need head_dim >= 32;
+    1,024 positions: a prompt listing tools is some 450 byte tokens."""
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024)
     return Qwen2ForCausalLM(config).eval()
 
 
@@ -93,11 +95,11 @@ def test_weight_sync_is_proven_and_a_stale_engine_is_caught(engine, folder):
     torch.testing.assert_close(sampled, trainer, rtol=0, atol=1e-4)
 
 
-def fit_with_vllm(folder, strategy, steps=2, devices=1, **rollout):
-    grpo = GRPOModule(model=folder, rollout=RolloutConfig(engine="vllm", num_generations=2, max_new_tokens=6,
+def fit_with_vllm(folder, strategy, steps=2, devices=1, max_new_tokens=6, tools=None, **rollout):
+    grpo = GRPOModule(model=folder, rollout=RolloutConfig(engine="vllm", num_generations=2, max_new_tokens=max_new_tokens,
                                                           val_generations=2, kv_cache_gib=0.25, **rollout),
                       optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, decay_steps=0), micro_batch_size=2,
-                      rewards=rewards("varied_reward"))
+                      rewards=rewards("varied_reward"), tools=tools)
     logged = []
 
     class Capture(L.Callback):
@@ -126,6 +128,44 @@ def test_grpo_with_dense_adamw_samples_from_every_update(folder):
     grpo, logged = fit_with_vllm(folder, "auto")
     assert grpo.engine.last_sync_gap <= 1e-4
     assert all(step["policy/rollout_trainer_logprob_gap_abs"] < 1e-3 for step in logged)
+
+
+def test_vllm_continues_the_exact_tokens_of_a_tool_conversation(engine, folder):
+    # Turn 1 sampled by vLLM, a tool turn's tokens appended as they are, turn 2 sampled from
+    # exactly those tokens (TokensPrompt): the trainer scores the same tokens with the same
+    # log-probs, and the tool tokens are context (mask 0, log-prob 0).
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lightning_logra.rollout import pack_rollouts
+    from lightning_logra.tools import ToolCall, ToolChat, tool_schema
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    chat, schemas = ToolChat(tokenizer), [tool_schema(add)]
+    prompt = chat.prompt_ids([{"role": "user", "content": "What is 2 + 3?"}], schemas)
+    first = engine.continue_tokens([prompt, prompt], [5, 3], temperature=1.0)
+    assert [len(turn.token_ids) <= limit for turn, limit in zip(first, [5, 3])] == [True, True]
+    tool = chat.tool_turn_ids([ToolCall("add", {"a": 2, "b": 3})], [{"role": "tool", "name": "add", "content": "5"}],
+                              schemas)
+    second = engine.continue_tokens([prompt + turn.token_ids + tool for turn in first], [4, 4], temperature=1.0)
+    rollouts = pack_rollouts(
+        prompt_ids=[prompt, prompt],
+        completion_ids=[a.token_ids + tool + b.token_ids for a, b in zip(first, second)],
+        completion_logprobs=[a.logprobs + [0.0] * len(tool) + b.logprobs for a, b in zip(first, second)],
+        completion_text=["", ""], ended_with_eos=[b.ended_with_eos for b in second], pad_token_id=tokenizer.pad_token_id,
+        environment_masks=[[0] * len(a.token_ids) + [1] * len(tool) + [0] * len(b.token_ids)
+                           for a, b in zip(first, second)])
+    assert rollouts.environment_mask.sum().item() == 2 * len(tool)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    trainer, sampled = trainer_logprobs(model, rollouts, 1.0)
+    assert trainer.numel() == sum(len(a.token_ids) + len(b.token_ids) for a, b in zip(first, second))
+    torch.testing.assert_close(sampled, trainer, rtol=0, atol=1e-4)
+
+
+def test_grpo_with_tools_runs_conversations_through_vllm(folder):
+    grpo, logged = fit_with_vllm(folder, "auto", steps=1, max_new_tokens=24, tools=["tests.helpers.tools:add"])
+    assert {"turns/mean", "tools/calls_per_sample", "tools/failures"} <= set(logged[0])
+    assert logged[0]["turns/mean"] >= 1.0
+    assert logged[0]["policy/rollout_trainer_logprob_gap_abs"] < 1e-3
 
 
 def test_low_rank_sync_sends_a_fraction_and_keeps_the_engine_exact(folder):
