@@ -140,6 +140,8 @@ def test_vllm_continues_the_exact_tokens_of_a_tool_conversation(engine, folder):
     from lightning_logra.tools import ToolCall, ToolChat, tool_schema
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    engine.sync_weights(model)  # the module's engine may hold another test's weights
     chat, schemas = ToolChat(tokenizer), [tool_schema(add)]
     prompt = chat.prompt_ids([{"role": "user", "content": "What is 2 + 3?"}], schemas)
     first = engine.continue_tokens([prompt, prompt], [5, 3], temperature=1.0)
@@ -155,7 +157,6 @@ def test_vllm_continues_the_exact_tokens_of_a_tool_conversation(engine, folder):
         environment_masks=[[0] * len(a.token_ids) + [1] * len(tool) + [0] * len(b.token_ids)
                            for a, b in zip(first, second)])
     assert rollouts.environment_mask.sum().item() == 2 * len(tool)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     trainer, sampled = trainer_logprobs(model, rollouts, 1.0)
     assert trainer.numel() == sum(len(a.token_ids) + len(b.token_ids) for a, b in zip(first, second))
     torch.testing.assert_close(sampled, trainer, rtol=0, atol=1e-4)
