@@ -50,7 +50,7 @@ from pathlib import Path
 
 from .harness import (ROOT, argument_parser, build_mode, check_smoke_out, code_version, command_line, load_json,
                       machine_info, machine_line, micro_batching, pyplot, random_token_rows, replay_rollouts,
-                      save_figure, save_json, write_outputs)
+                      save_figure, save_json, status_kib, write_outputs)
 from .loading import LOADING_MODEL
 from .model_shapes import QWEN_SHAPES, SMOKE
 
@@ -72,12 +72,6 @@ VALIDATION_CASES = [
            micro_batch_size=1, checkpointing=True, logra_rank=256, world=world) for world in (1, 2)),
 ]
 
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def build_model(shape: dict, *, meta: bool = False):
@@ -126,7 +120,7 @@ def measure_rank(case: dict, method: str) -> dict:
                 "logra_rank": 4}
         _steps(tiny, method, None)
         gc.collect()
-    baseline = _status_kib("VmRSS")
+    baseline = status_kib("VmRSS")
     shard = None
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -142,8 +136,8 @@ def measure_rank(case: dict, method: str) -> dict:
     if not case.get("generate"):  # the step's memory, not the random init's (the search counts everything)
         Path("/proc/self/clear_refs").write_text("5")
     step_s = [runner.step(replay)["step"] for _ in range(2)]
-    result = {"rank": rank, "peak_mib": (_status_kib("VmHWM") - baseline) / 1024,
-              "peak_rss_mib": _status_kib("VmHWM") / 1024, "imports_mib": baseline / 1024,
+    result = {"rank": rank, "peak_mib": (status_kib("VmHWM") - baseline) / 1024,
+              "peak_rss_mib": status_kib("VmHWM") / 1024, "imports_mib": baseline / 1024,
               "generate_s": generate_s, "step_s": step_s, "total_s": time.perf_counter() - started}
     if world > 1:
         dist.destroy_process_group()

@@ -30,6 +30,7 @@ from .harness.records import (
     load_json,
     machine_info,
     save_json,
+    status_kib,
     stacked_bars,
     write_outputs,
 )
@@ -41,12 +42,6 @@ TARGET = 0.6
 # (kl_coef, precision): no reference; a float32 reference; a bfloat16 one (kept in the compute dtype)
 RUNS = ((0.0, "32-true"), (0.1, "32-true"), (0.1, "bf16-mixed"))
 
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def write_model(folder: Path, shape: dict) -> int:
@@ -83,7 +78,7 @@ def rank_main(folder: str, kl_coef: float, precision: str) -> dict:
     from lightning_logra.modules import GRPOModule, LossConfig, RolloutConfig
 
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here: setup only
-    base_kib, started = _status_kib("VmRSS"), time.perf_counter()
+    base_kib, started = status_kib("VmRSS"), time.perf_counter()
     measured = {}
 
     class FirstStep(Exception):
@@ -92,7 +87,7 @@ def rank_main(folder: str, kl_coef: float, precision: str) -> dict:
     class AtFirstStep(L.Callback):
         def on_train_batch_start(self, *args) -> None:
             models = [module.policy] + ([module.reference] if module.reference is not None else [])
-            measured.update(seconds=time.perf_counter() - started, peak_kib=_status_kib("VmHWM") - base_kib,
+            measured.update(seconds=time.perf_counter() - started, peak_kib=status_kib("VmHWM") - base_kib,
                             kept_bytes=sum(_local_bytes(model) for model in models))
             raise FirstStep
 

@@ -35,7 +35,7 @@ from .step import (
 )
 from .pairing import alternate_modes, summarise, contention_line
 from .records import (
-    ROOT, machine_info, machine_line, cpu_caption, code_version, step_line, meta_memory_rows,
+    ROOT, machine_info, machine_line, status_kib, cpu_caption, code_version, step_line, meta_memory_rows,
     argument_parser, check_smoke_out, command_line, run_module, save_json, load_json, write_outputs,
     stacked_bars, save_figure, pyplot,
 )
@@ -71,6 +71,7 @@ __all__ = [
     "save_figure",
     "save_json",
     "stacked_bars",
+    "status_kib",
     "step_line",
     "summarise",
     "write_outputs",

@@ -52,6 +52,14 @@ def machine_info() -> dict:
     return info
 
 
+def status_kib(field: str) -> int:
+    """A field of this process's ``/proc/self/status`` in KiB (``VmRSS``, ``VmHWM``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
 def machine_line(machine: dict) -> str:
     """The machine as the results tables name it (also from results that named its fields
     cpu_model / logical_cpus / torch_version)."""
