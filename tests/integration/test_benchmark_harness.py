@@ -116,6 +116,7 @@ RENDERED = [
     ("loading", "loading.json", []),
     ("packing", "packing.json", []),
     ("fits", "fits.json", []),
+    ("beyond_math", "beyond_math.json", []),
 ]
 
 
