@@ -38,6 +38,7 @@ from lightning_logra.rl.batch import (
     backward_micro_batches,
     batch_logprobs,
     mini_batch_rows,
+    step_kl_terms,
 )
 from lightning_logra.rl.collectives import any_rank, gather_ranks
 from lightning_logra.rl.config import LoRAConfig, LossConfig, MultiTurnConfig, OptimizerConfig, RolloutConfig, lr_factor
@@ -133,6 +134,9 @@ class GRPOModule(L.LightningModule):
             public methods are tools, with ``reset(**row)`` and optionally ``get_reward()``; one
             instance per rollout.
         multi_turn: turns, tool timeouts and the chat template of tool rollouts (``MultiTurnConfig``).
+        measure_step_kl: after every optimizer step, one more no-grad forward over its rollouts
+            measures how far the step moved the policy: ``policy/step_kl``, the k3 estimate
+            of KL(before || after) on the trained tokens, for any method (dense, LoRA, LoGRA).
     """
 
     def __init__(
@@ -159,6 +163,7 @@ class GRPOModule(L.LightningModule):
         tools: list[str] | None = None,
         environment_factory: str | None = None,
         multi_turn: MultiTurnConfig | None = None,
+        measure_step_kl: bool = False,
         logprob_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
@@ -175,7 +180,7 @@ class GRPOModule(L.LightningModule):
             "num_iterations": num_iterations, "mini_batches": mini_batches,
             "log_completions_every": log_completions_every, "log_completions_count": log_completions_count,
             "activation_checkpointing": activation_checkpointing, "logprob_chunk_positions": logprob_chunk_positions,
-            "seed": seed,
+            "seed": seed, "measure_step_kl": measure_step_kl,
         })
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
@@ -185,6 +190,7 @@ class GRPOModule(L.LightningModule):
         self.log_completions_count = log_completions_count
         self.logprob_chunk_positions = logprob_chunk_positions
         self.seed = seed
+        self.measure_step_kl = measure_step_kl
         self.automatic_optimization = False
 
         # The tokenizer now (cheap; the data module and the CLI may need it), the weights in
@@ -346,6 +352,11 @@ class GRPOModule(L.LightningModule):
         passes.updates += 1
         self._empty_updates_in_a_row = 0
         phases.lap("optimizer_step")
+        if self.measure_step_kl:
+            passes.add_step_kl(*step_kl_terms(self.policy, batch, rows, trained, self._micro_batching))
+            if hasattr(self.policy, "reshard"):  # as for the reference: no backward follows this forward
+                self.policy.reshard()
+            phases.lap("step_kl")
         return trained
 
     @property

@@ -117,6 +117,25 @@ def batch_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     return logprobs
 
 
+def step_kl_terms(policy: nn.Module, batch: RolloutBatch, rows: slice, before: torch.Tensor,
+                  settings: MicroBatching) -> tuple[torch.Tensor, torch.Tensor]:
+    """How far one optimizer step moved the policy on its own rollouts: this rank's sum of
+    ``k3 = r - 1 - log r`` over the trained tokens of ``rows``, and their count, where ``r``
+    is a sampled token's probability after the step over before (``before``: the rows'
+    log-probs at the weights the step started from, at the sampling temperature).
+
+    k3 is never negative, and its mean over tokens sampled from the policy before the step
+    is an unbiased estimate of KL(before || after) (the rollouts come from the engine: the
+    estimate inherits the rollout/trainer mismatch, ``policy/rollout_trainer_logprob_gap``).
+    Costs one no-grad forward over the rows. Every rank must call it (FSDP2)."""
+    rollouts = batch.rollouts
+    with torch.no_grad(), memory_phase("backward", BACKWARD_HINT):
+        after = batch_logprobs(policy, rollouts.input_ids[rows], rollouts.attention_mask[rows], settings)
+    mask = batch.mask[rows]
+    log_ratio = (after - before).double()[mask]
+    return (log_ratio.exp() - 1.0 - log_ratio).sum(), mask.sum()
+
+
 def backward_micro_batches(
     policy: nn.Module,
     batch: RolloutBatch,

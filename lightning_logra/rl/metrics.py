@@ -35,6 +35,9 @@ class PassTotals:
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     updates: int = 0
     skipped_updates: int = 0
+    # With GRPOModule(measure_step_kl=True): k3 summed over every update's trained tokens, and their count.
+    step_kl: torch.Tensor | None = None
+    step_kl_tokens: torch.Tensor | None = None
 
     @classmethod
     def zeros(cls, device: torch.device) -> "PassTotals":
@@ -46,6 +49,10 @@ class PassTotals:
         self.tokens += tokens
         for key, value in stats.items():
             self.stats[key] = self.stats.get(key, 0) + value * tokens
+
+    def add_step_kl(self, k3_sum: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.step_kl = k3_sum if self.step_kl is None else self.step_kl + k3_sum
+        self.step_kl_tokens = tokens if self.step_kl_tokens is None else self.step_kl_tokens + tokens
 
 
 def step_metrics(
@@ -62,7 +69,7 @@ def step_metrics(
 ) -> dict[str, float]:
     """Rewards, completions, the policy's entropy and rollout/trainer gap (at the weights
     that sampled), loss statistics, per-phase seconds; with tools, turns and tool calls per
-    sample and failed tool calls. ``mask`` marks the trained tokens; completion lengths
+    sample and failed tool calls; with measured step KL, ``policy/step_kl``. ``mask`` marks the trained tokens; completion lengths
     count generated tokens only (never tool results)."""
     rollouts, rewards, device = scored.rollouts, scored.rewards, scored.rewards.device
     lengths = rollouts.completion_mask.sum(dim=1).float()
@@ -82,6 +89,7 @@ def step_metrics(
         *((float(sampling.extra_rounds), float(sampling.dropped_groups), float(sampling.unfilled_groups))
           if sampling is not None else ()),
         *_conversation_totals(rollouts),
+        *((passes.step_kl, passes.step_kl_tokens.double()) if passes.step_kl is not None else ()),
     ], device)
     longest = lengths.max().clone()
     if dist.is_available() and dist.is_initialized():
@@ -122,10 +130,14 @@ def step_metrics(
             rest[:3]
         rest = rest[3:]
     if rollouts.conversations is not None:
-        turns, calls, failures = rest
+        turns, calls, failures = rest[:3]
+        rest = rest[3:]
         metrics["turns/mean"] = turns / count
         metrics["tools/calls_per_sample"] = calls / count
         metrics["tools/failures"] = failures
+    if passes.step_kl is not None:
+        k3_sum, kl_tokens = rest
+        metrics["policy/step_kl"] = k3_sum / max(kl_tokens, 1.0)
     return metrics
 
 

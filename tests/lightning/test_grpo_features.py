@@ -268,3 +268,27 @@ def test_max_new_tokens_filling_the_models_positions_is_refused(model_folder):
     with pytest.raises(ValueError, match=r"rollout.max_new_tokens = 6 leaves no room for a prompt in the model's 6 "
                                          r"positions"):
         fit_grpo(grpo, model_folder, steps=1)
+
+
+@pytest.mark.parametrize("method", ["dense", "lora", "logra"])
+def test_measure_step_kl_logs_how_far_each_step_moved_the_policy(model_folder, method):
+    from lightning_logra.modules import LoRAConfig
+
+    options = {"lora": LoRAConfig(rank=4, alpha=8.0)} if method == "lora" else {}
+    grpo = grpo_module(model_folder, measure_step_kl=True, rewards=rewards("varied_reward"), **options)
+    strategy, callbacks = "auto", ()
+    if method == "logra":
+        strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, kl_budget=1e-3, kl_budget_final=1e-3))
+        callbacks = (LoGRACallback(measure_kl=True),)
+    _, logged = fit_grpo(grpo, model_folder, steps=2, strategy=strategy, callbacks=callbacks)
+    for step in logged:
+        assert step["policy/step_kl"] > 0 and step["perf/step_kl_s"] > 0
+        if method == "logra":
+            # Two views of one step: k3 on every trained token vs the exact KL on the probe's
+            # rows (a subset), both scaled to the budget; on 4 rollouts they agree in size only.
+            assert 0.2 < step["policy/step_kl"] / step["logra/measured_kl"] < 5
+
+
+def test_step_kl_is_not_measured_unless_asked(model_folder):
+    _, logged = fit_grpo(grpo_module(model_folder), model_folder, steps=1)
+    assert "policy/step_kl" not in logged[0] and "perf/step_kl_s" not in logged[0]
