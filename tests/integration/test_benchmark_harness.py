@@ -117,6 +117,7 @@ RENDERED = [
     ("packing", "packing.json", []),
     ("fits", "fits.json", []),
     ("beyond_math", "beyond_math.json", []),
+    ("step_kl", "step_kl.json", []),
 ]
 
 
