@@ -118,6 +118,7 @@ RENDERED = [
     ("fits", "fits.json", []),
     ("beyond_math", "beyond_math.json", []),
     ("step_kl", "step_kl.json", []),
+    ("peers", "peers.json", []),
 ]
 
 
