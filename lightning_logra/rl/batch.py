@@ -20,7 +20,7 @@ from lightning_logra.core.reliability import memory_phase
 from lightning_logra.rl.collectives import global_counts, max_over_ranks
 from lightning_logra.rl.config import LossConfig
 from lightning_logra.rl.logprobs import packed_sequence_logprobs, sequence_logprobs
-from lightning_logra.rl.losses import micro_batch_loss, normalised_per_token
+from lightning_logra.rl.losses import k3, micro_batch_loss, normalised_per_token
 from lightning_logra.rl.metrics import PassTotals
 from lightning_logra.rl.packing import row_micro_batches, token_micro_batches
 from lightning_logra.rollout.base import Rollouts
@@ -132,8 +132,7 @@ def step_kl_terms(policy: nn.Module, batch: RolloutBatch, rows: slice, before: t
     with torch.no_grad(), memory_phase("backward", BACKWARD_HINT):
         after = batch_logprobs(policy, rollouts.input_ids[rows], rollouts.attention_mask[rows], settings)
     mask = batch.mask[rows]
-    log_ratio = (after - before).double()[mask]
-    return (log_ratio.exp() - 1.0 - log_ratio).sum(), mask.sum()
+    return k3((after - before).double()[mask]).sum(), mask.sum()
 
 
 def backward_micro_batches(

@@ -22,6 +22,12 @@ class NonFiniteRewards(ValueError):
     functions' names)."""
 
 
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``exp(x) - x - 1`` per token of log ratios ``x = log q - log p``: never negative, and
+    its mean over tokens sampled from p is an unbiased estimate of KL(p || q)."""
+    return log_ratio.exp() - log_ratio - 1
+
+
 def _check_finite(what: str, values: torch.Tensor, rewards: torch.Tensor) -> None:
     if not torch.isfinite(values).all():
         bad = int((~torch.isfinite(values)).sum())
@@ -237,8 +243,7 @@ def gspo_loss(
         stats["tis_weight_mean"] = sequence_weight.clamp(max=tis_cap).mean()
         stats["tis_capped_fraction"] = (sequence_weight > tis_cap).float().mean()
     if ref_logprobs is not None:
-        ref_minus_policy = ref_logprobs - logprobs
-        kl = row_mean(ref_minus_policy.exp() - ref_minus_policy - 1)
+        kl = row_mean(k3(ref_logprobs - logprobs))
         per_row = per_row + kl_coef * kl
         stats["kl"] = kl.mean()
     return per_row.mean(), {key: value.detach() for key, value in stats.items()}
@@ -310,8 +315,7 @@ def _clipped_token_loss(logprobs, old_logprobs, advantages, mask, epsilon_low, e
         per_token = per_token * weight
         stats.update(tis_stats)
     if ref_logprobs is not None:
-        ref_minus_policy = torch.where(mask, ref_logprobs - logprobs, 0.0)
-        kl = ref_minus_policy.exp() - ref_minus_policy - 1
+        kl = k3(torch.where(mask, ref_logprobs - logprobs, 0.0))
         per_token = per_token + kl_coef * kl
         stats["kl"] = (kl.detach() * mask).sum() / tokens
     return torch.where(mask, per_token, 0.0), {k: v.detach() for k, v in stats.items()}

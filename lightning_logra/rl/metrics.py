@@ -69,8 +69,8 @@ def step_metrics(
 ) -> dict[str, float]:
     """Rewards, completions, the policy's entropy and rollout/trainer gap (at the weights
     that sampled), loss statistics, per-phase seconds; with tools, turns and tool calls per
-    sample and failed tool calls; with measured step KL, ``policy/step_kl``. ``mask`` marks the trained tokens; completion lengths
-    count generated tokens only (never tool results)."""
+    sample and failed tool calls; with measured step KL, ``policy/step_kl``. ``mask`` marks
+    the trained tokens; completion lengths count generated tokens only (never tool results)."""
     rollouts, rewards, device = scored.rollouts, scored.rewards, scored.rewards.device
     lengths = rollouts.completion_mask.sum(dim=1).float()
     groups = rewards.view(-1, num_generations)
