@@ -26,14 +26,12 @@ Run logs and the MLflow store stay in ``lightning_logs/beyond_math``.
 
 from __future__ import annotations
 
-import os
-import shutil
 import statistics
 import time
 from pathlib import Path
 
-from .cli_runs import run_logra, timed_metric_history
-from .harness import (ROOT, argument_parser, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
+from .cli_runs import fresh_work, mlflow_environment, run_logra, timed_metric_history
+from .harness import (argument_parser, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
                       pyplot, save_figure, save_json, write_outputs)
 
 CONFIGS = {
@@ -49,7 +47,7 @@ def run_name(task: str, method: str) -> str:
 
 
 def measure_task(task: str, work: Path) -> dict:
-    environment = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}")
+    environment = mlflow_environment(work)
     common = ["--trainer.logger.init_args.experiment_name=beyond_math", f"--trainer.default_root_dir={work}"]
     database = work / "mlflow.db"
 
@@ -145,10 +143,7 @@ def main() -> None:
     result = load_json(stem.with_suffix(".json")) if stem.with_suffix(".json").exists() else {"tasks": {}}
     started = time.perf_counter()
     for task in args.tasks:
-        work = ROOT / "lightning_logs" / "beyond_math" / task  # run logs and the MLflow store, kept
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        result["tasks"][task] = measure_task(task, work)
+        result["tasks"][task] = measure_task(task, fresh_work(f"beyond_math/{task}"))
     result.update(command=command_line("beyond_math"), machine=machine_info(), code=code_version(),
                   seconds=time.perf_counter() - started)
     save_json(stem.with_suffix(".json"), result)

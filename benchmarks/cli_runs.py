@@ -3,6 +3,8 @@ MLflow back. (The machine description and plot helpers are in ``harness``.)"""
 
 from __future__ import annotations
 
+import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -10,6 +12,21 @@ import time
 from pathlib import Path
 
 from .harness import ROOT
+
+
+def fresh_work(name: str) -> Path:
+    """``lightning_logs/<name>`` under the repository, emptied: a script's run logs and MLflow
+    store, kept after the run for inspection."""
+    work = ROOT / "lightning_logs" / name
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    return work
+
+
+def mlflow_environment(work: Path) -> dict:
+    """This process's environment, with MLflow tracking into ``work/mlflow.db``."""
+    return dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}")
 
 
 def run_logra(arguments: list[str], environment: dict, log: Path) -> float:

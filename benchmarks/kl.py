@@ -16,13 +16,11 @@ steps; measured >= 0.5 x budget on >= 90% of the steps whose alpha was below alp
 
 from __future__ import annotations
 
-import os
-import shutil
 import statistics
 from pathlib import Path
 
-from .cli_runs import metric_history, run_logra
-from .harness import (ROOT, argument_parser, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
+from .cli_runs import fresh_work, metric_history, mlflow_environment, run_logra
+from .harness import (argument_parser, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
                       pyplot, save_figure, save_json, write_outputs)
 
 STEPS = 24
@@ -42,7 +40,7 @@ def measure(steps: int, work: Path) -> dict:
     database = work / "mlflow.db"
     overlay = work / "measure_kl.yaml"
     overlay.write_text(OVERLAY)
-    environment = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{database}")
+    environment = mlflow_environment(work)
     arguments = ["fit", "-c", "configs/quickstart.yaml", "-c", str(overlay), f"--trainer.max_steps={steps}",
                  f"--trainer.strategy.init_args.logra.schedule_steps={steps}", f"--trainer.default_root_dir={work}",
                  "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0",
@@ -131,10 +129,7 @@ def main() -> None:
     if args.render:
         result = load_json(args.render)
     else:
-        work = ROOT / "lightning_logs" / "kl"  # run log and MLflow store, kept for inspection
-        if work.exists():
-            shutil.rmtree(work)
-        work.mkdir(parents=True)
+        work = fresh_work("kl")
         result = measure(args.steps, work)
         result.update({"command": command_line("kl"), "machine": machine_info(), "code": code_version()})
         result["summary"] = summarise(result["steps"])

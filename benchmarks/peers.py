@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -50,7 +49,7 @@ from pathlib import Path
 
 import yaml
 
-from .cli_runs import timed_metric_history
+from .cli_runs import fresh_work, mlflow_environment, timed_metric_history
 from .harness import (ROOT, argument_parser, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
                       pyplot, save_figure, save_json, write_outputs)
 
@@ -165,7 +164,7 @@ def _pss_bytes(pid: int) -> int:
 
 def run_method(method: str, steps: int, work: Path, repetition: int) -> dict:
     name = f"{method}-rep{repetition}"
-    environment = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}")
+    environment = mlflow_environment(work)
     if method == "trl":
         output = work / f"{name}.json"
         command = [sys.executable, "-m", "benchmarks.peers", "--trl-worker", str(steps), str(output)]
@@ -285,9 +284,7 @@ def main() -> None:
     if args.render:
         write_outputs(stem, load_json(args.render), render, plot)
         return
-    work = ROOT / "lightning_logs" / "peers"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    work = fresh_work("peers")
     runs = []
     for repetition in range(args.repetitions):
         order = METHODS[repetition % len(METHODS):] + METHODS[:repetition % len(METHODS)]

@@ -17,12 +17,11 @@ left out. Run it alone on the machine: it measures wall time.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from pathlib import Path
 
-from .cli_runs import metric_history, run_logra
+from .cli_runs import metric_history, mlflow_environment, run_logra
 from .harness import (argument_parser, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
                       pyplot, save_figure, save_json, stacked_bars, write_outputs)
 
@@ -39,7 +38,7 @@ LOGRA_PHASES = ("logra_prepare", "logra_probe", "logra_apply")
 
 def measure(work: Path) -> dict:
     database = work / "mlflow.db"
-    environment = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{database}")
+    environment = mlflow_environment(work)
     modes = {}
     for mode, (config, extra) in RUNS.items():
         print(f"{mode}: logra fit -c {config} {' '.join(extra)}", flush=True)

@@ -41,14 +41,12 @@ Run logs and the MLflow store of every run stay in ``lightning_logs/quality``.
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import statistics
 import time
 from pathlib import Path
 
-from .cli_runs import run_logra, timed_metric_history
-from .harness import (ROOT, argument_parser, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
+from .cli_runs import fresh_work, mlflow_environment, run_logra, timed_metric_history
+from .harness import (argument_parser, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
                       pyplot, save_figure, save_json, write_outputs)
 
 STEPS = 12
@@ -84,7 +82,7 @@ class Runs:
 
     def __init__(self, work: Path, steps: int, val_every: int, val_size: int) -> None:
         self.work, self.steps, self.val_every, self.val_size = work, steps, val_every, val_size
-        self.environment = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}")
+        self.environment = mlflow_environment(work)
 
     def common(self, seed: int) -> list[str]:
         # Every seed the run has: sampling (the module's), the prompts' order and the
@@ -259,10 +257,7 @@ def main() -> None:
     if args.render:
         result = load_json(args.render)
     else:
-        work = ROOT / "lightning_logs" / "quality"  # run logs and the MLflow store, kept for inspection
-        if work.exists():
-            shutil.rmtree(work)
-        work.mkdir(parents=True)
+        work = fresh_work("quality")
         result = measure(Runs(work, args.steps, args.val_every, args.val_size))
         result.update({"command": command_line("quality"), "machine": machine_info(), "code": code_version(),
                        "steps": args.steps, "val_every": args.val_every, "val_size": args.val_size})

@@ -14,13 +14,11 @@ step's summed phases. Medians leave out the first step (warm-up).
 
 from __future__ import annotations
 
-import os
-import shutil
 import statistics
 from pathlib import Path
 
-from .cli_runs import metric_history, run_logra
-from .harness import (ROOT, argument_parser, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
+from .cli_runs import fresh_work, metric_history, mlflow_environment, run_logra
+from .harness import (argument_parser, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
                       pyplot, save_figure, save_json, write_outputs)
 
 RUNS = {"dense": "configs/quickstart_dense.yaml", "lora": "configs/quickstart_lora.yaml", "logra": "configs/quickstart.yaml"}
@@ -30,7 +28,7 @@ COST_LIMIT = 0.10  # on by default only if it costs at most this share of a step
 
 
 def measure(work: Path, steps: int) -> dict:
-    environment = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}")
+    environment = mlflow_environment(work)
     runs = {}
     for name, config in RUNS.items():
         print(f"{name}: {steps} steps with measure_step_kl", flush=True)
@@ -95,10 +93,7 @@ def main() -> None:
     if args.render:
         write_outputs(stem, load_json(args.render), render, plot)
         return
-    work = ROOT / "lightning_logs" / "step_kl"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    result = {"runs": measure(work, args.steps), "steps": args.steps, "command": command_line("step_kl"),
+    result = {"runs": measure(fresh_work("step_kl"), args.steps), "steps": args.steps, "command": command_line("step_kl"),
               "machine": machine_info(), "code": code_version()}
     save_json(stem.with_suffix(".json"), result)
     write_outputs(stem, result, render, plot)
