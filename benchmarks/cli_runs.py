@@ -1,5 +1,5 @@
-"""Helpers of the benchmarks that train through the ``logra`` CLI: running it, and reading
-MLflow back. (The machine description and plot helpers are in ``harness``.)"""
+"""Helpers of the benchmarks that train through the ``logra`` CLI: their work folder and
+MLflow store, running it, and reading MLflow back. (The machine description and plot helpers are in ``harness``.)"""
 
 from __future__ import annotations
 
