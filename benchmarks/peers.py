@@ -218,11 +218,9 @@ def summarise(runs: list[dict]) -> dict:
     ratios = {"seconds_per_step": logra["seconds_per_step"] / trl["seconds_per_step"],
               **{key: logra[key] / trl[key] for key in PEAKS}}
     # Paired per repetition: each repetition ran every method once, back to back.
-    paired = [next(r for r in runs if r["method"] == "logra" and r["repetition"] == rep)
-              for rep in sorted({r["repetition"] for r in runs})]
-    paired_ratios = [median_step(logra_run) / median_step(next(r for r in runs if r["method"] == "trl"
-                                                                and r["repetition"] == logra_run["repetition"]))
-                     for logra_run in paired]
+    by_run = {(run["method"], run["repetition"]): run for run in runs}
+    paired_ratios = [median_step(by_run["logra", repetition]) / median_step(by_run["trl", repetition])
+                     for repetition in sorted({run["repetition"] for run in runs})]
     return {"per_method": per_method, "logra_over_trl": ratios, "paired_seconds_ratios": paired_ratios,
             "met": {key: ratios[key] <= TARGETS["seconds_per_step" if key == "seconds_per_step" else "peak_rss"]
                     for key in ratios}}

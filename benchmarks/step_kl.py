@@ -20,9 +20,10 @@ from pathlib import Path
 from .cli_runs import fresh_work, metric_history, mlflow_environment, run_logra
 from .harness import (argument_parser, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
                       pyplot, save_figure, save_json, write_outputs)
+from .phases import PHASES as STEP_PHASES
 
 RUNS = {"dense": "configs/quickstart_dense.yaml", "lora": "configs/quickstart_lora.yaml", "logra": "configs/quickstart.yaml"}
-PHASES = ("generation", "rewards", "forward_backward", "optimizer_step", "weight_sync", "step_kl")
+PHASES = (*STEP_PHASES, "step_kl")  # a step's phases as GRPOModule logs them, and the measurement's own
 STEPS = 8
 COST_LIMIT = 0.10  # on by default only if it costs at most this share of a step (issue 26)
 
