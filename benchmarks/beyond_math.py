@@ -17,7 +17,7 @@ reward, one test of five), the tool-call rate and turns per sample (tools), and 
 the run's wall clock and the median step (the gap between consecutive steps' metrics; the
 two gaps that hold a validation are left out).
 
-    python -m benchmarks.beyond_math                 # about an hour on 2 CPU cores, alone
+    python -m benchmarks.beyond_math                 # about 50 minutes on 2 CPU cores, alone
     python -m benchmarks.beyond_math --tasks code    # one task (results merged into the file)
     python -m benchmarks.beyond_math --render benchmarks/results/beyond_math.json
 
