@@ -22,3 +22,15 @@ QWEN_SHAPES = {
 # Every script's --smoke model: checks the code paths in seconds, measures nothing.
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)
+
+
+def decoder_slice(name: str, layers: int) -> dict:
+    """``layers`` decoder layers of ``QWEN_SHAPES[name]`` at their real widths, with the
+    vocabulary scaled by ``layers / num_hidden_layers`` so the output head keeps the real
+    model's share of the linear work (the whole 152k-row head over 2 of 28 layers would be
+    more than half of it, against about 8% in the real 7B model)."""
+    real = QWEN_SHAPES[name]
+    if not 1 <= layers <= real["num_hidden_layers"]:
+        raise ValueError(f"layers={layers}: {name} has 1 to {real['num_hidden_layers']} decoder layers")
+    vocab = round(real["vocab_size"] * layers / real["num_hidden_layers"])
+    return {**real, "num_hidden_layers": layers, "vocab_size": vocab}

@@ -6,10 +6,13 @@ two prompts, half the rows each) goes through ``rl.batch.backward_micro_batches`
 per micro-batch (chunked token log-probs, the default GRPO loss, activation checkpointing),
 then the update: ``AdamW.step()`` (dense, LoRA) or ``LoGRAOptimizer.step`` with the KL
 probe on 2 of the rows (one per prompt), at most ``--probe-max-tokens`` real tokens each
-(default: the whole row). The model is ``model_shapes.BENCH_156M`` (float32). The paper's
+(default: the whole row). The model is ``model_shapes.BENCH_156M`` (float32, 1,024 wide),
+or with ``--shape`` a few decoder layers of a real Qwen2.5 model at its real widths, random
+weights, vocabulary scaled with the depth (``model_shapes.decoder_slice``). The paper's
 proportions are 16 responses trained per rank and 2 probed, at most 4,096 tokens each:
 
     python -m benchmarks.speed --tokens 2048 --micro-batches 16 --probe-max-tokens 4096 --reps 3 --add
+    python -m benchmarks.speed --shape qwen2.5-7b --layers 2 --tokens 2048 --micro-batches 16 --reps 3 --add
 
 The three modes start from the same weights and replay the same rollouts; an untimed
 warm-up step (one micro-batch and an update) per mode comes first, then each repetition
@@ -40,17 +43,19 @@ from .harness import (MODES, alternate_modes, argument_parser, build_mode, check
                       contention_line, cpu_caption, default_generations, load_json, machine_info, machine_line,
                       micro_batching, prompt_share, pyplot, random_token_rows, replay_rollouts, save_figure, save_json,
                       stacked_bars, step_line, summarise, write_outputs)
-from .model_shapes import BENCH_156M, SMOKE
+from .model_shapes import BENCH_156M, QWEN_SHAPES, SMOKE, decoder_slice
 
 PROBE_RESPONSES = 2
 # LoGRA / dense AdamW step: 0.70 for the 4-micro-batch rows (set before this file measured
 # anything); in the paper's proportions (16 micro-batches) <= 0.85 with the probe at most
 # 10% of LoGRA's step.
 TARGETS = {4: {"logra_over_dense": 0.70}, 16: {"logra_over_dense": 0.85, "probe_share_of_logra_step": 0.10}}
+BENCH_MODEL = "156M bench model"  # rows measured before --shape existed used it
+SHAPES = {name.lower(): name for name in QWEN_SHAPES}
 
 
 def measure_tokens(tokens: int, micro_batches: int, probe_max_tokens: int | None, reps: int, shape: dict,
-                   profile_stem: Path | None = None) -> dict:
+                   model_name: str, profile_stem: Path | None = None) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -72,8 +77,9 @@ def measure_tokens(tokens: int, micro_batches: int, probe_max_tokens: int | None
         model.load_state_dict(initial.state_dict())
         runners[mode] = build_mode(mode, model, settings, probe_responses=PROBE_RESPONSES, probe_max_tokens=probe_max_tokens)
     del initial
-    run = alternate_modes(runners, replay, reps, label=f"{tokens} tokens x {micro_batches}")
-    row = {"tokens_per_micro_batch": tokens, "micro_batches": micro_batches, "probe_max_tokens": probe_max_tokens,
+    run = alternate_modes(runners, replay, reps, label=f"{model_name}, {tokens} tokens x {micro_batches}")
+    row = {"model_name": model_name, "model": shape, "parameters": sum(p.numel() for p in runners["dense"].model.parameters()),
+           "tokens_per_micro_batch": tokens, "micro_batches": micro_batches, "probe_max_tokens": probe_max_tokens,
            "step": step_description(replay), **summarise(run["samples"], run["contention"])}
     if profile_stem is not None:
         row["profile_files"] = profile_steps(runners, replay, profile_stem)
@@ -105,24 +111,59 @@ def micro_batches_of(row: dict) -> int:
     return row.get("micro_batches", 4)  # rows measured before the option existed had 4
 
 
-def row_key(row: dict) -> tuple[int, int]:
-    return row["tokens_per_micro_batch"], micro_batches_of(row)
+def model_of(row: dict) -> str:
+    return row.get("model_name", BENCH_MODEL)
+
+
+def row_key(row: dict) -> tuple[str, int, int]:
+    return model_of(row), row["tokens_per_micro_batch"], micro_batches_of(row)
+
+
+def row_label(row: dict) -> str:
+    return f"{model_of(row)}, {row['tokens_per_micro_batch']} tokens x {micro_batches_of(row)} micro-batches"
+
+
+def model_line(row: dict) -> str:
+    shape, name = row["model"], model_of(row)
+    line = (f"Model {name}: {row['parameters'] / 1e6:,.0f}M parameters, float32, random weights; hidden "
+            f"{shape['hidden_size']:,}, intermediate {shape['intermediate_size']:,}, vocabulary {shape['vocab_size']:,}")
+    real = next((QWEN_SHAPES[key] for key in QWEN_SHAPES if name.startswith(key + ",")), None)
+    if real is not None:
+        line += (f" ({real['vocab_size']:,} x {shape['num_hidden_layers']}/{real['num_hidden_layers']} layers, so the "
+                 "output head keeps its share of the real model's linear work)")
+    return line + "."
+
+
+def shape_arguments(parser, args) -> tuple[dict, str]:
+    """The model ``--smoke``, ``--shape`` and ``--layers`` ask for, and its name in the results."""
+    if args.smoke:
+        return SMOKE, "smoke model"
+    if args.shape is None:
+        if args.layers is not None:
+            parser.error("--layers needs --shape (the 156M bench model has its own 8 layers)")
+        return BENCH_156M, BENCH_MODEL
+    name, layers = SHAPES[args.shape], args.layers or 2
+    try:
+        shape = decoder_slice(name, layers)
+    except ValueError as error:
+        parser.error(f"--layers: {error}")
+    return shape, f"{name}, {layers} layers"
 
 
 def render(result: dict) -> str:
     lines = [
-        "| tokens / micro-batch | micro-batches | mode | forward + backward s | update s | KL probe s | step s |",
-        "|---:|---:|---|---:|---:|---:|---:|",
+        "| model | tokens / micro-batch | micro-batches | mode | forward + backward s | update s | KL probe s | step s |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         for mode in MODES:
             m = row["medians_s"][mode]
-            lines.append(f"| {row['tokens_per_micro_batch']} | {micro_batches_of(row)} | {mode} | {m['forward_backward']:.1f} | "
+            lines.append(f"| {model_of(row)} | {row['tokens_per_micro_batch']} | {micro_batches_of(row)} | {mode} | {m['forward_backward']:.1f} | "
                          f"{m['update']:.2f} | {m['kl_probe']:.1f} | {m['step']:.1f} |")
-    lines += ["", ("| tokens / micro-batch | micro-batches | LoGRA / dense | without probe | LoGRA / LoRA | without probe | "
-                   "probe share of LoGRA step |"), "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", ("| model | tokens / micro-batch | micro-batches | LoGRA / dense | without probe | LoGRA / LoRA | without probe | "
+                   "probe share of LoGRA step |"), "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in result["rows"]:
-        lines.append(f"| {row['tokens_per_micro_batch']} | {micro_batches_of(row)} | **{row['logra_over_dense']:.3f}** | "
+        lines.append(f"| {model_of(row)} | {row['tokens_per_micro_batch']} | {micro_batches_of(row)} | **{row['logra_over_dense']:.3f}** | "
                      f"{row['logra_over_dense_without_probe']:.3f} | {row['logra_over_lora']:.3f} | "
                      f"{row['logra_over_lora_without_probe']:.3f} | {100 * row['probe_share_of_logra_step']:.0f}% |")
     lines.append("")
@@ -130,11 +171,11 @@ def render(result: dict) -> str:
         verdicts = [f"{name.replace('_', ' ')} <= {limit}: {'met' if row[name] <= limit else 'missed'} ({row[name]:.3f})"
                     for name, limit in TARGETS.get(micro_batches_of(row), {}).items()]
         if verdicts:
-            lines.append(f"Targets, {row['tokens_per_micro_batch']} tokens x {micro_batches_of(row)} micro-batches: " + "; ".join(verdicts) + ".")
+            lines.append(f"Targets, {row_label(row)}: " + "; ".join(verdicts) + ".")
     for row in result["rows"]:
         pairs = contention_line(row)
         if pairs:
-            lines.append(f"Row {row['tokens_per_micro_batch']} x {micro_batches_of(row)}: {pairs}.")
+            lines.append(f"Row {row_label(row)}: {pairs}.")
     lines += [
         "",
         (f"{machine_line(result['machine'])}; median of {result['reps']} repetitions, micro-batches of one sequence, "
@@ -145,20 +186,25 @@ def render(result: dict) -> str:
     for row in result["rows"]:
         if "added" in row:
             added = row["added"]
-            lines.append(f"Row {row['tokens_per_micro_batch']} x {micro_batches_of(row)} was measured in a separate run: "
+            lines.append(f"Row {row_label(row)} was measured in a separate run: "
                          f"{machine_line(added['machine'])}; median of {added['reps']} repetitions; command: `{added['command']}`."
                          + (f" {added['note']}" if "note" in added else ""))
         if "earlier" in row:
             earlier = row["earlier"]
-            lines.append(f"Row {row['tokens_per_micro_batch']} x {micro_batches_of(row)} replaces an earlier measurement "
+            lines.append(f"Row {row_label(row)} replaces an earlier measurement "
                          f"({machine_line(earlier['machine'])}): LoGRA / dense {earlier['logra_over_dense']:.3f} "
                          f"({earlier['logra_over_dense_without_probe']:.3f} without the probe), probe share "
                          f"{100 * earlier['probe_share_of_logra_step']:.0f}%; its samples are in results/speed.json.")
+    described = {}
+    for row in result["rows"]:
+        if "model" in row and model_of(row) not in described and not result.get("smoke"):
+            described[model_of(row)] = model_line(row)
+    lines += list(described.values())
     steps = {step_line(row) for row in result["rows"]}
     if len(steps) == 1:
         lines.append(f"Step: {steps.pop()}")
     else:
-        lines += [f"Step of row {row['tokens_per_micro_batch']} x {micro_batches_of(row)}: {step_line(row)}" for row in result["rows"]]
+        lines += [f"Step of row {row_label(row)}: {step_line(row)}" for row in result["rows"]]
     return "\n".join(lines)
 
 
@@ -172,10 +218,10 @@ def plot(result: dict, path: Path) -> None:
         axis.set_ylabel("median seconds per step")
         axis.set_ylim(0, 1.3 * max(row["medians_s"][mode]["step"] for mode in MODES))  # room for the legend
         measured = row.get("added", result)["machine"]  # rows added later carry their own machine and date
-        axis.set_title(f"{row['tokens_per_micro_batch']} tokens x {micro_batches_of(row)} micro-batches, {cpu_caption(measured)}\n"
+        axis.set_title(f"{model_of(row)}\n{row['tokens_per_micro_batch']} tokens x {micro_batches_of(row)} micro-batches, {cpu_caption(measured)}\n"
                        f"LoGRA / dense {row['logra_over_dense']:.2f} ({row['logra_over_dense_without_probe']:.2f} without probe)",
                        fontsize=9)
-    save_figure(figure, path, "Train step, 156M Qwen2 (commands and machines: speed.md)")
+    save_figure(figure, path, "Train step, random-weight Qwen2 models (commands and machines: speed.md)")
 
 
 def main() -> None:
@@ -188,6 +234,9 @@ def main() -> None:
     parser.add_argument("--rerun", action="store_true", help="with --add: replace rows already measured (the earlier one is kept in the new row)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's, all cores)")
     parser.add_argument("--profile", action="store_true", help="also write a torch.profiler op table of one step per mode")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="decoder layers of this Qwen2.5 model at its real widths "
+                        "(default: the 156M bench model)")
+    parser.add_argument("--layers", type=int, help="with --shape: how many decoder layers (default 2)")
     parser.add_argument("--smoke", action="store_true", help="the tiny model (model_shapes.SMOKE): checks the code paths, measures nothing")
     args = parser.parse_args()
     check_smoke_out(parser, args)
@@ -199,19 +248,19 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads or 1)
-    shape = SMOKE if args.smoke else BENCH_156M
+    shape, model_name = shape_arguments(parser, args)
     token_rows = args.tokens or [64 if args.smoke else 2048]
     reps = args.reps or (2 if args.smoke else 5)
     profile = stem if args.profile else None
     if args.add:
         result = load_json(stem.with_suffix(".json"))
-        measured = {row_key(row) for row in result["rows"]} & {(tokens, args.micro_batches) for tokens in token_rows}
+        measured = {row_key(row) for row in result["rows"]} & {(model_name, tokens, args.micro_batches) for tokens in token_rows}
         if measured and not args.rerun:
-            parser.error(f"--add: {stem}.json already has rows for (tokens, micro-batches) {sorted(measured)}; "
+            parser.error(f"--add: {stem}.json already has rows for (model, tokens, micro-batches) {sorted(measured)}; "
                          "--rerun replaces them, keeping the earlier measurement inside the new row")
         for tokens in token_rows:
             started = time.perf_counter()
-            row = measure_tokens(tokens, args.micro_batches, args.probe_max_tokens, reps, shape, profile)
+            row = measure_tokens(tokens, args.micro_batches, args.probe_max_tokens, reps, shape, model_name, profile)
             row["added"] = {"command": command_line("speed"), "machine": machine_info(), "code": code_version(),
                             "reps": reps, "runtime_s": time.perf_counter() - started}
             earlier = [old for old in result["rows"] if row_key(old) == row_key(row)]
@@ -223,7 +272,8 @@ def main() -> None:
             save_json(stem.with_suffix(".json"), result)
     else:
         started = time.perf_counter()
-        rows = [measure_tokens(tokens, args.micro_batches, args.probe_max_tokens, reps, shape, profile) for tokens in token_rows]
+        rows = [measure_tokens(tokens, args.micro_batches, args.probe_max_tokens, reps, shape, model_name, profile)
+                for tokens in token_rows]
         result = {"command": command_line("speed"), "machine": machine_info(), "code": code_version(), "reps": reps,
                   "smoke": args.smoke, "model": shape, "rows": rows, "runtime_s": time.perf_counter() - started}
         save_json(stem.with_suffix(".json"), result)
