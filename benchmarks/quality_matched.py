@@ -4,12 +4,14 @@
 point on a seed it also reported, and never measured how far a step moved the policy. This
 protocol, fixed before measuring (2026-12-02):
 
-1. **Tasks** (``TASKS``): the quickstart's arithmetic, and reasoning-gym's
-   ``family_relationships`` scored by its own ``score_answer``
-   (``rewards.reasoning_gym.reasoning_gym_reward``), chosen by ``--screen``: the untrained
-   SmolLM2-135M-Instruct starts between 10% and 60% on it. Model, batch (4 prompts x 8
-   samples, 16 new tokens) and everything else are the quickstart configs'.
-2. **Runs**: 24 steps, validation every 6 on ``VAL_SIZE`` = 96 prompts x 4 samples, every
+1. **Tasks** (``TASKS``): the quickstart's arithmetic, and one reasoning-gym task scored by
+   its own ``score_answer`` (``rewards.reasoning_gym.reasoning_gym_reward``), chosen with
+   ``--screen``: the untrained SmolLM2-135M-Instruct must start between 10% and 60% on it.
+   Not chosen yet: ``family_relationships``, ``letter_counting`` and ``color_cube_rotation``
+   start at 0% (the model answers in sentences). Model, batch (4 prompts x 8 samples, 16
+   new tokens) and everything else are the quickstart configs'.
+2. **Runs**: 24 steps, validation every 6 on ``VAL_SIZE`` = 96 prompts x 4 samples (a
+   sample is correct when its reward is 1, full credit), every
    run with ``measure_step_kl`` (``policy/step_kl``) and ``log_val_completions`` on, so
    each prompt's result is kept. A seed sets everything a run draws: its prompts' order,
    its validation prompts (the same for every method within a seed), its samples, its
@@ -41,7 +43,7 @@ It runs in parts and resumes: every invocation adds the runs it is asked for to
 runs a method's selection first when it is missing, and rewrites the .md and .png from
 everything measured so far::
 
-    python -m benchmarks.quality_matched --screen family_relationships letter_counting   # untrained pass@1 per task
+    python -m benchmarks.quality_matched --screen letter_counting --instruction " Answer with just the number."
     python -m benchmarks.quality_matched --task arithmetic --methods dense logra --seeds 0   # one part
     python -m benchmarks.quality_matched --task arithmetic                                 # everything of a task
     python -m benchmarks.quality_matched --render benchmarks/results/quality_matched.json
@@ -69,18 +71,21 @@ MAX_EXTENSIONS = 1
 REWARD = "lightning_logra.rewards.reasoning_gym:reasoning_gym_reward"
 
 
-def reasoning_gym_task(name: str, threshold_points: float | None = None) -> dict:
-    """A reasoning-gym task as the quickstart's configs run it: its questions as they are (no
-    instruction appended; they say how to answer), scored by its own ``score_answer``."""
-    return {"source": f"reasoning_gym:{name}, scored by its score_answer", "threshold_points": threshold_points,
+def reasoning_gym_task(name: str, instruction: str | None = None, threshold_points: float | None = None) -> dict:
+    """A reasoning-gym task as the quickstart's configs run it, scored by its own
+    ``score_answer``: its questions as they are, or with ``instruction`` appended."""
+    shown = "null" if instruction is None else json.dumps(instruction)
+    return {"source": f"reasoning_gym:{name}, scored by its score_answer"
+                      + ("" if instruction is None else f", instruction {instruction!r}"),
+            "threshold_points": threshold_points, "instruction": instruction,
             "overrides": [f"--data.init_args.train=reasoning_gym:{name}", f"--data.init_args.val=reasoning_gym:{name}",
-                          "--data.init_args.instruction=null", f'--model.init_args.rewards=["{REWARD}"]']}
+                          f"--data.init_args.instruction={shown}", f'--model.init_args.rewards=["{REWARD}"]']}
 
 
 # Thresholds fixed before any training run of the task (points of pass@1 above the untrained model).
+# The reasoning-gym task is not chosen yet: the tasks screened so far start at 0 (see the results).
 TASKS = {
     "arithmetic": {"source": "arithmetic:1 (the quickstart's)", "overrides": [], "threshold_points": 25.0},
-    "family_relationships": reasoning_gym_task("family_relationships", threshold_points=15.0),
 }
 CONFIGS = {"dense": "configs/quickstart_dense.yaml", "lora": "configs/quickstart_lora.yaml", "logra": "configs/quickstart.yaml"}
 # Swept values in increasing order, around each method's best point in quality.py's sweeps.
@@ -187,7 +192,9 @@ class Runs:
                 raise SystemExit(f"{path}: {len(rows)} samples is not a multiple of {VAL_SAMPLES} per prompt")
             groups = [rows[start:start + VAL_SAMPLES] for start in range(0, len(rows), VAL_SAMPLES)]
             prompts = [group[0][prompt] for group in groups]
-            correct = [sum(row[reward] > 0 for row in group) for group in groups]  # GRPOModule's pass@1 rule
+            # Full credit only: equal to GRPOModule's rule (any credit) for 0/1 rewards such as
+            # the math reward, and strict for a task whose scorer gives partial credit.
+            correct = [sum(row[reward] >= 1.0 for row in group) for group in groups]
             results.append({"step": int(path.stem.removeprefix("step_")), "prompts": prompts,
                             "prompts_digest": digest(prompts), "correct": correct,
                             "pass_at_1": sum(correct) / (VAL_SAMPLES * len(correct))})
@@ -324,6 +331,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", choices=[*METHODS, *ABLATIONS], default=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help=f"reported seeds (default {SEEDS})")
     parser.add_argument("--screen", nargs="+", metavar="TASK", help="untrained pass@1 of these reasoning-gym tasks")
+    parser.add_argument("--instruction", help="with --screen: appended to every question (default: none)")
     parser.add_argument("--smoke", action="store_true", help="2-step runs on 4 validation prompts: every path, no measurement")
     args = parser.parse_args()
     check_smoke_out(parser, args)
@@ -345,8 +353,9 @@ def main() -> None:
     started = time.perf_counter()
     if args.screen:
         for task in args.screen:
-            record = Runs(task, STEPS, VAL_EVERY, VAL_SIZE, reasoning_gym_task(task)).untrained(SELECTION_SEED)
-            result["screening"].append({"task": task, "pass_at_1": record["pass_at_1"], "seconds": record["seconds"]})
+            record = Runs(task, STEPS, VAL_EVERY, VAL_SIZE, reasoning_gym_task(task, args.instruction)).untrained(SELECTION_SEED)
+            result["screening"].append({"task": task, "instruction": args.instruction, "pass_at_1": record["pass_at_1"],
+                                        "seconds": record["seconds"]})
     else:
         smoke = SMOKE if args.smoke else {}
         tasks = [args.task] if args.task else list(TASKS)

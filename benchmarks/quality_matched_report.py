@@ -66,8 +66,10 @@ def render(result: dict) -> str:
     if result.get("smoke"):
         lines += ["**Smoke run (2-step runs, 4 validation prompts): no figure here is a measurement.**", ""]
     if result.get("screening"):
-        lines += ["Screening, untrained pass@1 (" + ", ".join(f"{s['task']} {s['pass_at_1']:.3f}" for s in result["screening"])
-                  + f"; {VAL_SIZE} prompts x {VAL_SAMPLES} samples, seed {SELECTION_SEED}).", ""]
+        lines += ["Screening of reasoning-gym tasks, the untrained model's pass@1 (full credit; "
+                  f"{VAL_SIZE} prompts x {VAL_SAMPLES} samples, seed {SELECTION_SEED}): "
+                  + ", ".join(f"{s['task']}" + (f" with {s['instruction']!r}" if s.get("instruction") else "")
+                              + f" {s['pass_at_1']:.3f}" for s in result["screening"]) + ".", ""]
     total = 0.0
     for task in TASKS:
         if not any(u["task"] == task for u in result["untrained"]):
