@@ -36,6 +36,10 @@ every method alike.
     python -m benchmarks.quality --render benchmarks/results/quality.json
 
 Run logs and the MLflow store of every run stay in ``lightning_logs/quality``.
+
+This protocol cannot rank the methods (one pass@1 point on 24 prompts has a standard error
+of 4-10 points; the best points were chosen on a reported seed; step sizes were not
+matched); ``quality_matched.py`` is the second protocol, which can.
 """
 
 from __future__ import annotations

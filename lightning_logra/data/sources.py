@@ -98,13 +98,16 @@ def arithmetic_rows(n: int, seed: int, *, terms: int = 2, max_digits: int = 2) -
 
 
 def reasoning_gym_rows(task: str, n: int, seed: int) -> list[dict]:
-    """``n`` problems of a reasoning-gym task (e.g. ``basic_arithmetic``, ``chain_sum``)."""
+    """``n`` problems of a reasoning-gym task (e.g. ``basic_arithmetic``, ``chain_sum``), each
+    with its ``task`` and its entry's ``metadata`` (JSON), which the task's scorer may read
+    (``rewards.reasoning_gym.reasoning_gym_reward``)."""
     try:
         import reasoning_gym
     except ImportError as error:
         raise ImportError("reasoning_gym sources need `pip install reasoning-gym`") from error
     return [
-        {"prompt": entry["question"], "answer": entry["answer"], "task": task}
+        {"prompt": entry["question"], "answer": entry["answer"], "task": task,
+         "metadata": json.dumps(entry["metadata"], default=str)}
         for entry in reasoning_gym.create_dataset(task, size=n, seed=seed)
     ]
 

@@ -25,6 +25,7 @@ def check_arguments(loss: LossConfig, rollout: RolloutConfig, lora: LoRAConfig |
     check.integer("log_completions_count", at_least=1)
     check.boolean("activation_checkpointing")
     check.boolean("measure_step_kl")
+    check.boolean("log_val_completions")
     check.integer("logprob_chunk_positions", at_least=1)
     check.integer("seed", at_least=0)
     check.require("loss.overlong_buffer", buffer <= rollout.max_new_tokens,

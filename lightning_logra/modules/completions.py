@@ -52,21 +52,21 @@ def transcript_text(messages: list[dict]) -> str:
     return "\n".join(parts)
 
 
-def log_completion_table(loggers: list[Logger], table: dict[str, list], step: int) -> None:
-    """To MLflow as a table artifact (``completions/step_<step>.json``, shown in its UI's
+def log_completion_table(loggers: list[Logger], table: dict[str, list], step: int, name: str = "completions") -> None:
+    """To MLflow as a table artifact (``<name>/step_<step>.json``, shown in its UI's
     evaluation view), to loggers with a ``log_table`` or ``log_text`` method (Weights &
     Biases), and to TensorBoard as a Markdown text; other loggers have no place for it."""
     columns = list(table)
     rows = [list(row) for row in zip(*table.values())]
     for logger in loggers:
         if isinstance(logger, MLFlowLogger):
-            logger.experiment.log_table(logger.run_id, data=table, artifact_file=f"completions/step_{step:06d}.json")
+            logger.experiment.log_table(logger.run_id, data=table, artifact_file=f"{name}/step_{step:06d}.json")
         elif hasattr(logger, "log_table"):
-            logger.log_table(key="completions", columns=columns, data=rows, step=step)
+            logger.log_table(key=name, columns=columns, data=rows, step=step)
         elif hasattr(logger, "log_text"):
-            logger.log_text(key="completions", columns=columns, data=[[str(v) for v in row] for row in rows], step=step)
+            logger.log_text(key=name, columns=columns, data=[[str(v) for v in row] for row in rows], step=step)
         elif isinstance(logger, TensorBoardLogger):
-            logger.experiment.add_text("completions", _markdown(columns, rows), global_step=step)
+            logger.experiment.add_text(name, _markdown(columns, rows), global_step=step)
 
 
 def _markdown(columns: list[str], rows: list[list[Any]]) -> str:

@@ -40,7 +40,7 @@ from lightning_logra.rl.batch import (
     mini_batch_rows,
     step_kl_terms,
 )
-from lightning_logra.rl.collectives import any_rank, gather_ranks
+from lightning_logra.rl.collectives import any_rank, gather_objects, gather_ranks
 from lightning_logra.rl.config import LoRAConfig, LossConfig, MultiTurnConfig, OptimizerConfig, RolloutConfig, lr_factor
 from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE
 from lightning_logra.rl.losses import NonFiniteRewards, RunningBaseline, group_advantages
@@ -82,7 +82,8 @@ class GRPOModule(L.LightningModule):
     Each rollout batch trains ``num_iterations`` passes of ``mini_batches`` optimizer steps
     (whole prompt groups per mini-batch; ``max_steps`` counts optimizer steps). Every
     ``log_completions_every`` training steps (0: never) ``log_completions_count`` samples go
-    to the loggers as a table.
+    to the loggers as a table; with ``log_val_completions`` every validation's samples do,
+    all of them (``val_completions/step_<step>.json`` in MLflow).
 
     When the fit starts, a ``PromptDataModule``'s data is checked against the module: with
     the built-in math reward a split without any ``answer`` is refused, and prompts that leave
@@ -137,6 +138,8 @@ class GRPOModule(L.LightningModule):
         measure_step_kl: after every optimizer step, one more no-grad forward over its rollouts
             measures how far the step moved the policy: ``policy/step_kl``, the k3 estimate
             of KL(before || after) on the trained tokens, for any method (dense, LoRA, LoGRA).
+        log_val_completions: log every validation sample (prompt, completion, answer, rewards)
+            as a table, gathered from every rank: per-prompt results to compare runs on.
     """
 
     def __init__(
@@ -164,6 +167,7 @@ class GRPOModule(L.LightningModule):
         environment_factory: str | None = None,
         multi_turn: MultiTurnConfig | None = None,
         measure_step_kl: bool = False,
+        log_val_completions: bool = False,
         logprob_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
@@ -180,7 +184,7 @@ class GRPOModule(L.LightningModule):
             "num_iterations": num_iterations, "mini_batches": mini_batches,
             "log_completions_every": log_completions_every, "log_completions_count": log_completions_count,
             "activation_checkpointing": activation_checkpointing, "logprob_chunk_positions": logprob_chunk_positions,
-            "seed": seed, "measure_step_kl": measure_step_kl,
+            "seed": seed, "measure_step_kl": measure_step_kl, "log_val_completions": log_val_completions,
         })
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
@@ -191,6 +195,8 @@ class GRPOModule(L.LightningModule):
         self.logprob_chunk_positions = logprob_chunk_positions
         self.seed = seed
         self.measure_step_kl = measure_step_kl
+        self.log_val_completions = log_val_completions
+        self._val_tables: list[dict[str, list]] = []
         self.automatic_optimization = False
 
         # The tokenizer now (cheap; the data module and the CLI may need it), the weights in
@@ -457,11 +463,25 @@ class GRPOModule(L.LightningModule):
         rollouts = self._rollouts(batch, n, temperature=config.val_temperature, top_p=config.val_top_p)
         scores, columns = score_rollouts(self.reward_runner, rollouts, batch, n)
         self._warn_if_unscored(scores, columns)
+        if self.log_val_completions:
+            scored = ScoredRollouts(rollouts, columns, scores, torch.tensor(scores.total))
+            self._val_tables.append(completion_table(scored, step=self.global_step, count=len(scores.total)))
         correct = (torch.tensor(scores.total, device=self.device) > 0).float().view(-1, n)
         self.val_pass_at_1.update(correct.mean(dim=1))
         self.val_pass_at_n.update(correct.amax(dim=1))  # unbiased pass@k with k = n
         self.log("val/pass_at_1", self.val_pass_at_1, on_epoch=True, prog_bar=True, batch_size=correct.shape[0])
         self.log(f"val/pass_at_{n}", self.val_pass_at_n, on_epoch=True, batch_size=correct.shape[0])
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_tables = []  # nothing left over from an interrupted validation
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.log_val_completions:
+            return
+        tables = gather_objects(self._val_tables)
+        if self.global_rank == 0 and tables:
+            table = {column: [value for part in tables for value in part[column]] for column in tables[0]}
+            log_completion_table(self.loggers, table, step=self.global_step, name="val_completions")
 
     # Optimizer: AdamW with linear warm-up and cosine decay (the paper's dense baseline) -------
     def configure_optimizers(self):

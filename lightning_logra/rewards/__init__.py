@@ -3,6 +3,7 @@
 from lightning_logra.rewards.code import code_execution_reward, extract_code
 from lightning_logra.rewards.completions import completion_text, format_completions
 from lightning_logra.rewards.math import answers_match, extract_answer, math_reward
+from lightning_logra.rewards.reasoning_gym import reasoning_gym_reward
 from lightning_logra.rewards.runner import RewardRunner, RewardScores, RewardWarning, load_reward
 
 __all__ = [
@@ -17,4 +18,5 @@ __all__ = [
     "format_completions",
     "load_reward",
     "math_reward",
+    "reasoning_gym_reward",
 ]

@@ -19,6 +19,15 @@ def gather_ranks(values: torch.Tensor) -> torch.Tensor:
     return gathered
 
 
+def gather_objects(values: list) -> list:
+    """Every rank's list of picklable ``values``, concatenated in rank order."""
+    if not _distributed():
+        return values
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, values)
+    return [value for part in gathered for value in part]
+
+
 def global_counts(mask: torch.Tensor) -> torch.Tensor:
     """Rows, rows with a masked token, and masked tokens, each summed over ranks: the
     normalisers of a data-parallel mean (per sequence, per row with tokens, per token)."""

@@ -1,10 +1,12 @@
-"""GRPOModule with logra_fsdp on two processes: both ranks update and end with the same weights."""
+"""GRPOModule with logra_fsdp on two processes: both ranks update and end with the same
+weights; a validation's samples from both ranks make one table."""
 
 import warnings
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import Logger
 
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from tests.helpers.distributed import run_lightning_on_two_ranks
@@ -27,3 +29,44 @@ def test_two_process_logra_fit_updates_both_ranks_to_equal_weights(model_folder)
     (count0, weights0), (count1, weights1) = run_lightning_on_two_ranks(_two_rank_fit, model_folder)
     assert count0 == count1 == 2
     assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))
+
+
+class TableLogger(Logger):
+    """Keeps what ``log_table`` receives (Weights & Biases' interface)."""
+
+    name, version = "tables", 0
+
+    def __init__(self):
+        super().__init__()
+        self.tables = []
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_table(self, key, columns, data, step=None):
+        self.tables.append((key, columns, data, step))
+
+
+def _two_rank_validation(rank, world, folder):
+    logger = TableLogger()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        metrics = L.Trainer(accelerator="cpu", devices=2, strategy=LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8)),
+                            logger=logger, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False).validate(grpo_module(folder, log_val_completions=True),
+                                                                 prompt_data(folder), verbose=False)[0]
+    return logger.tables, metrics["val/pass_at_1"]
+
+
+@pytest.mark.distributed
+def test_one_validation_table_holds_both_ranks_samples(model_folder):
+    (tables0, pass0), (tables1, pass1) = run_lightning_on_two_ranks(_two_rank_validation, model_folder)
+    assert tables1 == [] and len(tables0) == 1  # rank 0 logs the gathered table
+    key, columns, data, step = tables0[0]
+    assert key == "val_completions" and step == 0
+    prompt, reward = columns.index("prompt"), columns.index("reward")
+    assert len(data) == 4 * 2 and len({row[prompt] for row in data}) == 4  # 2 prompts per rank x 2 samples
+    assert pass0 == pass1 == pytest.approx(sum(row[reward] > 0 for row in data) / len(data), abs=1e-6)

@@ -220,6 +220,31 @@ def test_completion_tables_go_to_mlflow_and_table_loggers(model_folder, tmp_path
     assert table["columns"] == columns and len(table["data"]) == 3
 
 
+def validate_logged(grpo, folder, tmp_path, name):
+    logger = MLFlowLogger(run_name=name, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_location=str(tmp_path / "art"))
+    data = PromptDataModule(train="arithmetic", val="arithmetic", tokenizer=folder, batch_size=3, train_size=16, val_size=5)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    return logger, trainer.validate(grpo, datamodule=data, verbose=False)[0]
+
+
+def test_every_validation_sample_goes_to_mlflow_as_one_table_per_validation(model_folder, tmp_path):
+    logger, metrics = validate_logged(grpo_module(model_folder, log_val_completions=True), model_folder, tmp_path, "on")
+    local = logger.experiment.download_artifacts(logger.run_id, "val_completions/step_000000.json", str(tmp_path))
+    table = json.loads(Path(local).read_text())
+    assert table["columns"] == ["step", "prompt", "completion", "answer", "reward", "reward/varied_reward", "length", "truncated"]
+    rows = table["data"]
+    assert len(rows) == 5 * 2  # every prompt (two batches: 3 + 2) x val_generations samples, in prompt order
+    prompts = [row[1] for row in rows]
+    assert prompts[0::2] == prompts[1::2] and len(set(prompts)) == 5
+    # The table's rewards give back the logged pass@1 (a sample is correct when its reward is > 0).
+    per_prompt = [(rows[i][4] > 0) / 2 + (rows[i + 1][4] > 0) / 2 for i in range(0, len(rows), 2)]
+    assert metrics["val/pass_at_1"] == pytest.approx(sum(per_prompt) / 5, abs=1e-6)
+
+    logger, _ = validate_logged(grpo_module(model_folder), model_folder, tmp_path, "off")
+    assert logger.experiment.list_artifacts(logger.run_id, "val_completions") == []  # off by default
+
+
 NO_ANSWERS = {"field_map": {"answer": "solution"}}  # the reference answers land in another column
 
 
