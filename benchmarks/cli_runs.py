@@ -59,3 +59,13 @@ def timed_metric_history(database: Path, run_name: str, key: str) -> list[tuple[
     if not rows:
         raise SystemExit(f"run {run_name!r} logged no {key!r}")
     return [(int(step), float(value), float(seconds)) for step, value, seconds in rows]
+
+
+def artifact_folder(database: Path, run_name: str) -> Path:
+    """The local folder of the artifacts of the MLflow run called ``run_name``."""
+    with sqlite3.connect(database) as connection:
+        rows = connection.execute("select r.artifact_uri from runs r join tags t on t.run_uuid = r.run_uuid "
+                                  "and t.key = 'mlflow.runName' where t.value = ?", (run_name,)).fetchall()
+    if len(rows) != 1:
+        raise SystemExit(f"{database}: {len(rows)} runs are called {run_name!r}")
+    return Path(rows[0][0].removeprefix("file://"))

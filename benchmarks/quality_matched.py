@@ -60,7 +60,7 @@ import statistics
 import time
 from pathlib import Path
 
-from .cli_runs import fresh_work, mlflow_environment, run_logra, timed_metric_history
+from .cli_runs import artifact_folder, fresh_work, mlflow_environment, run_logra, timed_metric_history
 from .harness import (argument_parser, check_smoke_out, code_version, command_line, load_json, machine_info, save_json,
                       write_outputs)
 
@@ -201,17 +201,6 @@ class Runs:
         if not results:
             raise SystemExit(f"run {name!r} logged no val_completions tables under {folder}")
         return results
-
-
-def artifact_folder(database: Path, run_name: str) -> Path:
-    import sqlite3
-
-    with sqlite3.connect(database) as connection:
-        rows = connection.execute("select r.artifact_uri from runs r join tags t on t.run_uuid = r.run_uuid "
-                                  "and t.key = 'mlflow.runName' where t.value = ?", (run_name,)).fetchall()
-    if len(rows) != 1:
-        raise SystemExit(f"{database}: {len(rows)} runs are called {run_name!r}")
-    return Path(rows[0][0].removeprefix("file://"))
 
 
 def digest(prompts: list[str]) -> str:

@@ -463,10 +463,11 @@ class GRPOModule(L.LightningModule):
         rollouts = self._rollouts(batch, n, temperature=config.val_temperature, top_p=config.val_top_p)
         scores, columns = score_rollouts(self.reward_runner, rollouts, batch, n)
         self._warn_if_unscored(scores, columns)
+        totals = torch.tensor(scores.total, device=self.device)
         if self.log_val_completions:
-            scored = ScoredRollouts(rollouts, columns, scores, torch.tensor(scores.total))
-            self._val_tables.append(completion_table(scored, step=self.global_step, count=len(scores.total)))
-        correct = (torch.tensor(scores.total, device=self.device) > 0).float().view(-1, n)
+            scored = ScoredRollouts(rollouts, columns, scores, totals)
+            self._val_tables.append(completion_table(scored, step=self.global_step, count=totals.numel()))
+        correct = (totals > 0).float().view(-1, n)
         self.val_pass_at_1.update(correct.mean(dim=1))
         self.val_pass_at_n.update(correct.amax(dim=1))  # unbiased pass@k with k = n
         self.log("val/pass_at_1", self.val_pass_at_1, on_epoch=True, prog_bar=True, batch_size=correct.shape[0])

@@ -1,6 +1,7 @@
 """GRPOModule on a tiny random Qwen2: reward functions named by import path, the module and
 its prompt data, a fit that records every batch's metrics, the KL reference-model and export
-runs, and a module that records what a resume test compares."""
+runs, a module that records what a resume test compares, and a logger that keeps the
+tables it is given."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 from transformers import AutoModelForCausalLM
 
 from lightning_logra import LoGRAConfig, LoGRAFSDPStrategy
@@ -213,3 +215,22 @@ class SlowDown(Callback):
         import time
 
         time.sleep(self.seconds)
+
+
+class TableLogger(Logger):
+    """A logger with a ``log_table`` method, like Weights & Biases'."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables = []
+
+    name, version = "tables", 0
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_table(self, key, columns, data, step=None):
+        self.tables.append((key, columns, data, step))

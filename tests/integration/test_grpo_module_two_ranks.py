@@ -6,11 +6,10 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import Logger
 
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from tests.helpers.distributed import run_lightning_on_two_ranks
-from tests.helpers.grpo import grpo_module, prompt_data
+from tests.helpers.grpo import TableLogger, grpo_module, prompt_data
 
 
 def _two_rank_fit(rank, world, folder):
@@ -29,25 +28,6 @@ def test_two_process_logra_fit_updates_both_ranks_to_equal_weights(model_folder)
     (count0, weights0), (count1, weights1) = run_lightning_on_two_ranks(_two_rank_fit, model_folder)
     assert count0 == count1 == 2
     assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))
-
-
-class TableLogger(Logger):
-    """Keeps what ``log_table`` receives (Weights & Biases' interface)."""
-
-    name, version = "tables", 0
-
-    def __init__(self):
-        super().__init__()
-        self.tables = []
-
-    def log_metrics(self, metrics, step=None):
-        pass
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
-
-    def log_table(self, key, columns, data, step=None):
-        self.tables.append((key, columns, data, step))
 
 
 def _two_rank_validation(rank, world, folder):

@@ -8,13 +8,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import Logger, MLFlowLogger
+from lightning.pytorch.loggers import MLFlowLogger
 
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.data import PromptDataModule
 from lightning_logra.modules import LossConfig, RolloutConfig
 from lightning_logra.rewards.runner import RewardWarning
-from tests.helpers.grpo import SEEN, fit_grpo, grpo_module, rewards
+from tests.helpers.grpo import SEEN, TableLogger, fit_grpo, grpo_module, rewards
 from tests.helpers.lightning import record_step_inputs
 from tests.helpers.models import favour_token
 
@@ -183,25 +183,6 @@ def test_reward_functions_get_trl_arguments_and_per_function_metrics(model_folde
     assert logged[0]["reward/recording_reward/mean"] == 0.5 and logged[0]["reward/recording_reward/std"] == 0
     assert logged[0]["reward/think_format_reward/mean"] == 0.0  # a random model writes no <think>
     assert logged[0]["reward/failures"] == 0
-
-
-class TableLogger(Logger):
-    """A logger with a ``log_table`` method, like Weights & Biases'."""
-
-    def __init__(self):
-        super().__init__()
-        self.tables = []
-
-    name, version = "tables", 0
-
-    def log_metrics(self, metrics, step=None):
-        pass
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
-
-    def log_table(self, key, columns, data, step=None):
-        self.tables.append((key, columns, data, step))
 
 
 def test_completion_tables_go_to_mlflow_and_table_loggers(model_folder, tmp_path):
