@@ -7,9 +7,9 @@ protocol, fixed before measuring (2026-12-02):
 1. **Tasks** (``TASKS``): the quickstart's arithmetic, and one reasoning-gym task scored by
    its own ``score_answer`` (``rewards.reasoning_gym.reasoning_gym_reward``), chosen with
    ``--screen``: the untrained SmolLM2-135M-Instruct must start between 10% and 60% on it.
-   Not chosen yet: ``family_relationships``, ``letter_counting`` and ``color_cube_rotation``
-   start at 0% (the model answers in sentences). Model, batch (4 prompts x 8 samples, 16
-   new tokens) and everything else are the quickstart configs'.
+   Chosen: ``syllogism`` with " Answer with just Yes or No." appended (0.328); the others
+   screened start at 0% to 10% (the model answers in sentences). Model, batch (4 prompts x
+   8 samples, 16 new tokens) and everything else are the quickstart configs'.
 2. **Runs**: 24 steps, validation every 6 on ``VAL_SIZE`` = 96 prompts x 4 samples (a
    sample is correct when its reward is 1, full credit), every
    run with ``measure_step_kl`` (``policy/step_kl``) and ``log_val_completions`` on, so
@@ -83,9 +83,10 @@ def reasoning_gym_task(name: str, instruction: str | None = None, threshold_poin
 
 
 # Thresholds fixed before any training run of the task (points of pass@1 above the untrained model).
-# The reasoning-gym task is not chosen yet: the tasks screened so far start at 0 (see the results).
+# syllogism is the first screened task to start inside 10-60% (0.328 with its instruction; see the results).
 TASKS = {
     "arithmetic": {"source": "arithmetic:1 (the quickstart's)", "overrides": [], "threshold_points": 25.0},
+    "syllogism": reasoning_gym_task("syllogism", instruction=" Answer with just Yes or No.", threshold_points=25.0),
 }
 CONFIGS = {"dense": "configs/quickstart_dense.yaml", "lora": "configs/quickstart_lora.yaml", "logra": "configs/quickstart.yaml"}
 # Swept values in increasing order, around each method's best point in quality.py's sweeps.

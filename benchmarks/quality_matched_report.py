@@ -109,7 +109,7 @@ def render(result: dict) -> str:
         f"{'missed already' if total > TARGETS['total_hours'] * 3600 else 'not decided'}: "
         f"{len(missing)} reported runs are still to run")
     lines += [f"Whole protocol so far: {total / 3600:.2f} h of machine time (target <= {TARGETS['total_hours']:g} h: {verdict})."]
-    lines += [f"Sweep extended: {note}." for note in result["notes"]]
+    lines += [f"Note: {note}." for note in result["notes"]]
     lines += ["", "Parts: " + "; ".join(f"`{p['command']}` ({machine_line(p['machine'])})" for p in result["parts"]) + "."]
     return "\n".join(lines)
 

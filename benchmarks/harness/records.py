@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable
@@ -138,7 +139,7 @@ def check_smoke_out(parser: argparse.ArgumentParser, args) -> None:
 
 def command_line(module: str) -> str:
     """How this run was started, as the results record it."""
-    return " ".join(["python", "-m", f"benchmarks.{module}", *sys.argv[1:]])
+    return shlex.join(["python", "-m", f"benchmarks.{module}", *sys.argv[1:]])  # quoted: it can be run again
 
 
 def run_module(module: str, arguments: list[str], **kwargs) -> subprocess.CompletedProcess:

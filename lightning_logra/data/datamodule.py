@@ -64,6 +64,10 @@ class PromptDataModule(LightningDataModule):
         skip_invalid_rows: drop rows that fail validation (counted in ``skipped``) instead of
             raising on the first one.
         seed: the training order's shuffle seed (and the built-in sources' draw).
+        val_batch_size: prompts per validation batch on each rank (default ``batch_size``).
+            Validation only generates, so a larger batch costs memory for its rollouts, not
+            for gradients, and takes fewer, wider generation calls. Each batch's samples are
+            seeded by its index, so changing it changes which samples are drawn.
     """
 
     def __init__(
@@ -84,14 +88,16 @@ class PromptDataModule(LightningDataModule):
         field_map: dict[str, str] | None = None,
         instruction: str | None = None,
         conversational: bool = False,
+        val_batch_size: int | None = None,
     ) -> None:
         super().__init__()
         check = FieldChecks("PromptDataModule", {
             "batch_size": batch_size, "num_workers": num_workers, "skip_invalid_rows": skip_invalid_rows,
             "max_prompt_tokens": max_prompt_tokens, "train_size": train_size, "val_size": val_size,
-            "seed": seed, "conversational": conversational,
+            "seed": seed, "conversational": conversational, "val_batch_size": val_batch_size,
         })
         check.integer("batch_size", at_least=1)
+        check.integer("val_batch_size", at_least=1, optional=True)
         check.integer("num_workers", at_least=0)
         check.boolean("skip_invalid_rows")
         check.integer("max_prompt_tokens", at_least=1, optional=True)
@@ -104,6 +110,7 @@ class PromptDataModule(LightningDataModule):
         self.sources = {"train": (train, train_split, train_size, seed), "val": (val, val_split, val_size, seed + 1)}
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.val_batch_size = batch_size if val_batch_size is None else val_batch_size
         self.num_workers = num_workers
         self.system_prompt = system_prompt
         self.skip_invalid_rows = skip_invalid_rows
@@ -139,7 +146,7 @@ class PromptDataModule(LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         if "val" not in self.datasets:
             return []  # no val source: Lightning skips validation
-        return DataLoader(self.datasets["val"], **self._loader_args(sampler=None))
+        return DataLoader(self.datasets["val"], **self._loader_args(sampler=None, batch_size=self.val_batch_size))
 
     def drop_long_prompts(self, max_tokens: int, tokenizer, reason: str) -> None:
         """Drop the set-up rows whose rendered prompt is longer than ``max_tokens`` tokens of
@@ -225,9 +232,9 @@ class PromptDataModule(LightningDataModule):
             raise ValueError(f"{name}: no usable rows for {split}")
         return PromptDataset(prompts, columns)
 
-    def _loader_args(self, sampler) -> dict:
+    def _loader_args(self, sampler, batch_size: int | None = None) -> dict:
         return {
-            "batch_size": self.batch_size,
+            "batch_size": self.batch_size if batch_size is None else batch_size,
             "sampler": sampler,
             "num_workers": self.num_workers,
             "collate_fn": collate_prompts,

@@ -151,6 +151,18 @@ def test_datamodule_without_chat_template_uses_the_plain_prompt():
     assert val["answer"] == [row["answer"] for row in expected]
 
 
+def test_val_batch_size_sets_the_validation_batches_only():
+    data = PromptDataModule("arithmetic", val="arithmetic", batch_size=2, train_size=8, val_size=10, val_batch_size=4)
+    data.setup("fit")
+    assert [len(batch["prompt"]) for batch in data.val_dataloader()] == [4, 4, 2]  # in order, the last one short
+    assert [len(batch["prompt"]) for batch in data.train_dataloader()] == [2, 2, 2, 2]
+    default = PromptDataModule("arithmetic", val="arithmetic", batch_size=2, train_size=8, val_size=4)
+    default.setup("fit")
+    assert [len(batch["prompt"]) for batch in default.val_dataloader()] == [2, 2]
+    rows = [row for batch in data.val_dataloader() for row in batch["prompt"]]
+    assert rows == [row["prompt"] for row in arithmetic_rows(10, seed=1)]
+
+
 def test_datamodule_skips_invalid_and_long_rows(tmp_path):
     too_long = {"prompt": "x" * 40, "answer": "1"}
     lines = [json.dumps(GOOD_ROWS[0]), "{broken", json.dumps(too_long), json.dumps({"prompt": "Hi", "answer": [1]})]
@@ -372,6 +384,7 @@ def test_instruction_needs_a_user_message_in_a_conversational_prompt(tmp_path):
     ("seed", -1, "an integer >= 0"),
     ("max_prompt_tokens", 0, "an integer >= 1 or None"),
     ("skip_invalid_rows", "yes", "true or false"),
+    ("val_batch_size", 0, "an integer >= 1 or None"),
 ])
 def test_datamodule_arguments_are_checked_like_config_fields(argument, value, allowed):
     with pytest.raises(ValueError, match=rf"PromptDataModule\.{argument} = {re.escape(repr(value))} is invalid: "
