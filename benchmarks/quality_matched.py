@@ -27,7 +27,9 @@ protocol, fixed before measuring (2026-12-02):
    its budget set to the median ``policy/step_kl`` of dense's best selection run: the
    KL-matched row). LoGRA's budget is constant in both: the reference's cosine over a long
    run barely moves in its first 24 steps. Ablations, run only when asked
-   (``ABLATIONS``): dense without momentum (betas (0, 0.95)) and LoGRA with an 8-response probe.
+   (``ABLATIONS``): dense without momentum (betas (0, 0.95), dense's selected lr) and the
+   KL-matched LoGRA with an 8-response probe (its budget as ``logra_matched``'s); each is
+   reported against the row it changes one thing of (``ABLATION_PAIRS``).
 5. **Reported** per task: each method's pass@1 gain (final minus the untrained model's, on
    the same prompts) with a 95% two-level bootstrap interval over seeds and prompts
    (``paired_stats``); the paired differences LoGRA - dense and LoGRA (KL-matched) - dense,
@@ -97,6 +99,11 @@ ABLATIONS = ("dense_no_momentum", "logra_probe8")
 BASE = {"dense": "dense", "dense_paper": "dense", "lora": "lora", "logra": "logra", "logra_matched": "logra",
         "dense_no_momentum": "dense", "logra_probe8": "logra"}
 PAIRS = (("logra", "dense"), ("logra_matched", "dense"))
+# Is LoGRA's gap to dense the missing momentum, or its probe's KL prediction?
+ABLATION_PAIRS = (("logra_matched", "dense_no_momentum"), ("dense_no_momentum", "dense"),
+                  ("logra_probe8", "logra_matched"))
+# Methods whose LoGRA budget is dense's measured median step KL rather than a swept value.
+KL_MATCHED = ("logra_matched", "logra_probe8")
 TARGETS = {"interval_width_points": 8.0, "matched_gain_over_dense": 0.95, "total_hours": 3.0}
 SMOKE = {"steps": 2, "val_every": 1, "val_size": 4, "seeds": (0,), "sweep_points": 1}
 
@@ -229,7 +236,7 @@ def matched_budget(result: dict, task: str) -> float:
 def value_of(result: dict, task: str, method: str) -> float | None:
     if method == "dense_paper":
         return None
-    if method == "logra_matched":
+    if method in KL_MATCHED:
         return matched_budget(result, task)
     return selected_value(result, task, BASE[method])
 
@@ -304,9 +311,9 @@ class Protocol:
             self.run(method, extra, SELECTION_SEED)
 
     def part(self, methods: list[str], seeds: list[int]) -> None:
-        # logra_matched needs dense's selection (its step KL), not LoGRA's.
-        swept = {BASE[m] for m in methods if m not in ("dense_paper", "logra_matched")}
-        swept |= {"dense"} if "logra_matched" in methods else set()
+        # The KL-matched rows need dense's selection (its step KL), not LoGRA's.
+        swept = {BASE[m] for m in methods if m not in ("dense_paper", *KL_MATCHED)}
+        swept |= {"dense"} if set(KL_MATCHED) & set(methods) else set()
         for method in ("dense", "lora", "logra"):
             if method in swept:
                 self.sweep(method)

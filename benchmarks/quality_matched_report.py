@@ -9,8 +9,8 @@ from pathlib import Path
 
 from .harness import cpu_caption, machine_line, pyplot, save_figure
 from .paired_stats import bootstrap_interval, first_reaching, median_or_none, seed_mean
-from .quality_matched import (ABLATIONS, METHODS, PAIRS, SEEDS, SELECTION_SEED, TARGETS, TASKS, VAL_SAMPLES, VAL_SIZE,
-                              per_prompt_final, reported)
+from .quality_matched import (ABLATION_PAIRS, ABLATIONS, METHODS, PAIRS, SEEDS, SELECTION_SEED, TARGETS, TASKS,
+                              VAL_SAMPLES, VAL_SIZE, per_prompt_final, reported)
 
 
 def summarise(result: dict, task: str) -> dict:
@@ -34,7 +34,7 @@ def summarise(result: dict, task: str) -> dict:
             "median_run_s": statistics.median(r["seconds"] for r in runs),
         }
     pairs = {}
-    for first, second in PAIRS:
+    for first, second in (*PAIRS, *ABLATION_PAIRS):
         runs = {m: {r["seed"]: r for r in reported(result, task, m)} for m in (first, second)}
         seeds = sorted(set(runs[first]) & set(runs[second]))
         if not seeds:
@@ -97,6 +97,10 @@ def render(result: dict) -> str:
         for name, pair in summary["pairs"].items():
             low, high = pair["interval_points"]
             ratio = fmt(pair["gain_ratio"], ".2f", "n/a")
+            if tuple(name.split("-")) in ABLATION_PAIRS:  # a diagnosis, not a target
+                lines.append(f"Ablation {name.replace('-', ' - ')} (seeds {', '.join(map(str, pair['seeds']))}): "
+                             f"{pair['difference_points']:+.1f} points [{low:+.1f}, {high:+.1f}]; gain ratio {ratio}.")
+                continue
             lines.append(f"Paired difference {name.replace('-', ' - ')} (seeds {', '.join(map(str, pair['seeds']))}): "
                          f"{pair['difference_points']:+.1f} points [{low:+.1f}, {high:+.1f}], width {pair['width_points']:.1f} "
                          f"(target <= {TARGETS['interval_width_points']:g}: {'met' if pair['width_met'] else 'missed'}); "

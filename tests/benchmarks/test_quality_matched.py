@@ -110,3 +110,20 @@ def test_a_resumed_part_does_not_extend_a_sweep_again(tmp_path):
     plan.part(["dense"], [])
     assert [call for call in runs.calls if call[0] == "dense"] == [("dense", v, 100) for v in (3e-6, 1e-5, 3e-5, 9e-5)]
     assert qm.selected_value(result, "arithmetic", "dense") == 9e-5
+
+
+def test_ablations_run_at_the_rows_they_change_one_thing_of_and_are_reported_as_a_diagnosis(tmp_path):
+    runs = FakeRuns({**FINALS, ("dense_no_momentum", 3e-5): 0.5, ("logra_probe8", 6e-6): 0.5})
+    result, plan = protocol(tmp_path, runs)
+    plan.part(["dense", "logra_matched", "dense_no_momentum", "logra_probe8"], [0])
+    reported_runs = [call for call in runs.calls if call[0] != "untrained" and call[2] != qm.SELECTION_SEED]
+    # No LoGRA sweep: the probe ablation runs at the KL-matched budget, momentum's at dense's lr.
+    assert not [call for call in runs.calls if call[0] == "logra"]
+    assert reported_runs == [
+        ("dense", 3e-5, 0), ("logra_matched", 6e-6, 0), ("dense_no_momentum", 3e-5, 0), ("logra_probe8", 6e-6, 0)]
+    pairs = summarise(result, "arithmetic")["pairs"]
+    assert pairs["logra_probe8-logra_matched"]["difference_points"] == -25.0  # 0.5 - 0.75 on every prompt
+    assert pairs["logra_matched-dense_no_momentum"]["difference_points"] == 25.0
+    table = render({**result, "parts": []})
+    assert "Ablation logra_probe8 - logra_matched (seeds 0): -25.0 points [-25.0, -25.0]; gain ratio 0.50." in table
+    assert "Paired difference logra_matched - dense (seeds 0)" in table
