@@ -49,12 +49,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .harness import (MODES, ROOT, Clock, Runner, StepHooks, alternate_modes, argument_parser, build_mode, code_version,
                       command_line, load_json, machine_info, machine_line, micro_batching, optimizer_state_bytes, pyplot,
                       random_token_rows, replay_rollouts, run_module, save_figure, save_json, step_line, summarise,
                       write_outputs)
 from .model_shapes import QWEN_SHAPES, SMOKE
+
+if TYPE_CHECKING:  # for the annotations; the functions import torch where they use it
+    import torch
 
 FIT_SIZES = {"logra": ("Qwen2.5-7B", "Qwen2.5-14B", "27B-class"), "dense": ("Qwen2.5-1.5B", "Qwen2.5-7B", "Qwen2.5-14B")}
 FIT_TOKENS, FIT_NEW_TOKENS, FIT_MICRO_BATCHES = 2048, 64, 2
