@@ -87,6 +87,14 @@ def test_the_report_pairs_methods_prompt_by_prompt(tmp_path):
     assert "| dense_paper | paper recipe | 0, 1 | +0.0 [+0.0, +0.0]" in table
 
 
+def test_a_task_with_only_selection_runs_says_so_instead_of_an_empty_table(tmp_path):
+    result, plan = protocol(tmp_path, FakeRuns(FINALS))
+    plan.sweep("dense")  # a part stopped after its selection: nothing reported yet
+    table = render({**result, "parts": []})
+    assert "| dense | lr=1e-05 | 0.500 |" in table
+    assert "No reported run yet." in table and "gain (points)" not in table
+
+
 def test_a_run_validated_on_other_prompts_stops_the_protocol(tmp_path):
     _, plan = protocol(tmp_path, FakeRuns({("dense_paper", None): 0.5}, digest="something else"))
     with pytest.raises(SystemExit, match="validated on other prompts"):
