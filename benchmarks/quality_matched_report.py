@@ -82,10 +82,12 @@ def render(result: dict) -> str:
                   "| method | setting | final pass@1 | median step KL | run s |", "|---|---|---:|---:|---:|"]
         lines += [f"| {s['method']} | {s['setting']} | {s['final_pass_at_1']:.3f} | {s['median_step_kl']:.2e} | {s['seconds']:.0f} |"
                   for s in summary["selection"]]
-        lines += [""] + ([] if summary["methods"] else ["No reported run yet."]) + (
-            ["| method | setting | seeds | gain (points) [95% interval] | per seed | median step KL | "
-             f"steps to +{summary['threshold_points']:g} (median) | seconds to +{summary['threshold_points']:g} (median) | run s |",
-             "|---|---|---|---:|---|---:|---|---|---:|"] if summary["methods"] else [])
+        if summary["methods"]:
+            lines += ["", "| method | setting | seeds | gain (points) [95% interval] | per seed | median step KL | "
+                          f"steps to +{summary['threshold_points']:g} (median) | seconds to +{summary['threshold_points']:g} (median) | run s |",
+                      "|---|---|---|---:|---|---:|---|---|---:|"]
+        else:
+            lines += ["", "No reported run yet."]
         for method, m in summary["methods"].items():
             low, high = m["gain_interval_points"]
             steps = ", ".join(fmt(s, "d", "-") for s in m["steps_to_threshold"])
