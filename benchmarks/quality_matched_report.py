@@ -42,7 +42,9 @@ def summarise(result: dict, task: str) -> dict:
         differences = [[a - b for a, b in zip(per_prompt_final(runs[first][s]), per_prompt_final(runs[second][s]))]
                        for s in seeds]
         low, high = (100 * x for x in bootstrap_interval(differences))
-        dense_gain, gain_ = methods[second]["gain_points"], methods[first]["gain_points"]
+        # The ratio on the pair's own seeds: a row with fewer seeds is compared with the same seeds of dense.
+        dense_gain, gain_ = (statistics.fmean(dict(zip(methods[m]["seeds"], methods[m]["gains_points"]))[s] for s in seeds)
+                             for m in (second, first))
         pairs[f"{first}-{second}"] = {
             "seeds": seeds, "difference_points": 100 * seed_mean(differences), "interval_points": [low, high],
             "width_points": high - low, "width_met": high - low <= TARGETS["interval_width_points"],
@@ -104,9 +106,12 @@ def render(result: dict) -> str:
                 lines.append(f"Ablation {name.replace('-', ' - ')} (seeds {', '.join(map(str, pair['seeds']))}): "
                              f"{pair['difference_points']:+.1f} points [{low:+.1f}, {high:+.1f}]; gain ratio {ratio}.")
                 continue
-            lines.append(f"Paired difference {name.replace('-', ' - ')} (seeds {', '.join(map(str, pair['seeds']))}): "
-                         f"{pair['difference_points']:+.1f} points [{low:+.1f}, {high:+.1f}], width {pair['width_points']:.1f} "
-                         f"(target <= {TARGETS['interval_width_points']:g}: {'met' if pair['width_met'] else 'missed'}); "
+            head = (f"Paired difference {name.replace('-', ' - ')} (seeds {', '.join(map(str, pair['seeds']))}): "
+                    f"{pair['difference_points']:+.1f} points [{low:+.1f}, {high:+.1f}], width {pair['width_points']:.1f}")
+            if pair["seeds"] != list(SEEDS):  # the targets are judged on every reported seed, not on a part of them
+                lines.append(f"{head}; gain ratio {ratio}; targets pending until seeds {', '.join(map(str, SEEDS))} are in.")
+                continue
+            lines.append(f"{head} (target <= {TARGETS['interval_width_points']:g}: {'met' if pair['width_met'] else 'missed'}); "
                          f"gain ratio {ratio}; LoGRA >= {TARGETS['matched_gain_over_dense']} x dense or the interval "
                          f"contains 0: {'met' if pair['not_worse'] else 'missed'}.")
         lines += [f"Machine time of this task so far: {summary['machine_seconds'] / 3600:.2f} h.", ""]

@@ -84,6 +84,7 @@ def test_the_report_pairs_methods_prompt_by_prompt(tmp_path):
     assert pair["difference_points"] == 0.0 and pair["width_met"] and pair["not_worse"]
     table = render({**result, "parts": []})
     assert "Paired difference logra - dense (seeds 0, 1): +0.0 points [+0.0, +0.0]" in table
+    assert "gain ratio 1.00; targets pending until seeds 0, 1, 2 are in." in table  # 2 of 3 seeds: not judged
     assert "| dense_paper | paper recipe | 0, 1 | +0.0 [+0.0, +0.0]" in table
 
 
