@@ -3,10 +3,11 @@ namespaces, and a one-time probe that they work here.
 
 Needed: Linux on x86-64 or AArch64 (the seccomp filter knows their system calls), util-linux's
 ``unshare`` (new user, mount, PID, network, IPC and UTS namespaces: unprivileged user
-namespaces, or root) and ``setpriv`` (the parent-death signal, dropping capabilities). The
-probe runs a trivial program through the real path once per process; where it fails the
-sandbox refuses to run, naming what is missing, unless the limits allow an unisolated run
-(``runner.namespaces_problem``).
+namespaces, or root) and ``setpriv`` (the parent-death signal, dropping capabilities);
+a pids cgroup (``cgroups``) where threads are to be bounded for a trainer run as root.
+The probe runs a small program (a thread, a file) through the real path once per
+process; where it fails the sandbox refuses to run, naming what is missing, unless the
+limits allow an unisolated run (``runner.namespaces_problem``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from lightning_logra.sandbox import launcher
+from lightning_logra.sandbox import launcher, seccomp
 
 LAUNCHER = str(Path(launcher.__file__).resolve())
 NAMESPACES = ["--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc",
@@ -27,12 +28,17 @@ class SandboxUnavailable(RuntimeError):
     """The sandbox cannot run here as configured; the message names what is missing."""
 
 
+class SandboxWarning(UserWarning):
+    """The sandbox runs programs with less isolation than it should (an opt-out, or no
+    bound on threads here), or could not clean up after one."""
+
+
 def machine() -> str:
     """The machine name the seccomp filter is built for; raises where it has no table."""
     name = platform.machine()
-    if sys.platform != "linux" or name not in launcher.SYSCALLS:
-        raise SandboxUnavailable(f"the sandbox needs Linux on {' or '.join(launcher.SYSCALLS)} (its seccomp filter "
-                                 f"that refuses new processes); this is {sys.platform} on {name}")
+    if sys.platform != "linux" or name not in seccomp.MACHINES:
+        raise SandboxUnavailable(f"the sandbox needs Linux on {' or '.join(seccomp.MACHINES)} (its seccomp filter "
+                                 f"lists their system calls); this is {sys.platform} on {name}")
     return name
 
 

@@ -26,6 +26,15 @@ class SandboxLimits:
         allow_unisolated: where namespaces are unavailable, run anyway with the limits,
             the scrubbed environment and the empty working directory but with network and
             filesystem access (a warning says so); by default such a run is refused.
+        max_disk_bytes: all the files in the working directory together, the program and
+            the given files included (a tmpfs of this size); a write past it fails
+            (``ENOSPC``). Unisolated runs have no such cap, only ``max_file_bytes``.
+        max_files: files and directories in the working directory at once, the program
+            and the given files included (the tmpfs's inodes); unisolated, no cap.
+        max_threads: threads the program may run at once, its main thread included;
+            past them starting a thread fails (``RuntimeError: can't start new thread``).
+            Enforced by a pids cgroup where the trainer can make one, else by
+            ``RLIMIT_NPROC`` (not for root; see ``runner.threads_problem``).
     """
 
     timeout_s: float = 5.0
@@ -34,6 +43,9 @@ class SandboxLimits:
     max_file_bytes: int = 2**20
     max_output_bytes: int = 64 * 2**10
     allow_unisolated: bool = False
+    max_disk_bytes: int = 16 * 2**20
+    max_files: int = 1024
+    max_threads: int = 64
 
     def __post_init__(self) -> None:
         check = FieldChecks.of(self)
@@ -44,3 +56,6 @@ class SandboxLimits:
         check.integer("max_file_bytes", at_least=0)
         check.integer("max_output_bytes", at_least=1)
         check.boolean("allow_unisolated")
+        check.integer("max_disk_bytes", at_least=2**16)
+        check.integer("max_files", at_least=2)  # the program and its report
+        check.integer("max_threads", at_least=1)

@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from lightning_logra.rewards.code import code_execution_reward
-from lightning_logra.sandbox import SandboxLimits, namespaces_problem
+from lightning_logra.sandbox import SandboxLimits, namespaces_problem, runner
 from tests.helpers.sandbox import files_under, processes_under
 
 NAMESPACES = namespaces_problem()
@@ -37,11 +37,23 @@ ATTACKS = {
     "socket_to_localhost": "import socket\nsocket.create_connection(('127.0.0.1', PORT), timeout=1)",
     "print_100_MB": "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 2**20)\nwhile True:\n    pass",
     "kill_parent": f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)",
+    # The third round: io_uring's socket operations bypassed the filter on socket(2);
+    # a nested user namespace had every capability; vsock sockets were allowed; a deep tree
+    # broke the cleanup; files were capped one by one only; threads not at all.
+    "io_uring": "import ctypes\nassert ctypes.CDLL(None).syscall(425, 4, ctypes.create_string_buffer(120)) >= 0",
+    "nested_namespaces": "import ctypes\nassert ctypes.CDLL(None).unshare(0x10000000 | 0x40000000) == 0",
+    "vsock_socket": "import socket\nsocket.socket(40, socket.SOCK_STREAM)",
+    "deep_tree": "import os\nfor _ in range(3000):\n    os.mkdir('d')\n    os.chdir('d')",
+    "fill_the_disk": "for n in range(64):\n    open(f'f{n}', 'wb', buffering=0).write(b'x' * 2**20)",
+    "thread_bomb": ("import threading\nthreading.stack_size(2**16)\ngate = threading.Lock()\ngate.acquire()\n"
+                    "for _ in range(500):\n    threading.Thread(target=gate.acquire, daemon=True).start()"),
 }
 
 
 @pytest.mark.parametrize("attack", list(ATTACKS))
 def test_an_attack_scores_0_in_time_and_leaves_nothing_behind(attack, tmp_path, monkeypatch):
+    if attack == "thread_bomb" and runner.threads_problem(namespaces=True) is not None:
+        pytest.skip(f"threads are not bounded here: {runner.threads_problem(namespaces=True)}")
     monkeypatch.setenv(SECRET_NAME, SECRET)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the working directory is made there
     environment = dict(os.environ)

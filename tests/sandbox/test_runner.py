@@ -1,6 +1,7 @@
 """One program's run: what the result says, the working directory, the environment, and
 the refusal where namespaces are missing."""
 
+import os
 import socket
 import tempfile
 import warnings
@@ -8,7 +9,7 @@ import warnings
 import pytest
 
 from lightning_logra.sandbox import SandboxLimits, SandboxUnavailable, SandboxWarning, namespaces_problem, run_python
-from lightning_logra.sandbox import isolation, runner
+from lightning_logra.sandbox import isolation, runner, workdir
 from tests.helpers.sandbox import files_under, processes_under
 
 NAMESPACES = namespaces_problem()
@@ -140,6 +141,49 @@ def test_the_opt_out_runs_with_a_warning(monkeypatch):
     with pytest.warns(SandboxWarning, match="no namespaces in this opt-out test.*WITHOUT network"):
         result = run_python("import os\nprint(os.environ['HOME'] == os.getcwd())", limits)
     assert (result.status, result.output.strip()) == ("ok", "True")
+
+
+def test_unisolated_a_deep_tree_with_locked_directories_is_still_removed(tmp_path, monkeypatch):
+    """Without namespaces the program works in the host directory itself. A tree deeper
+    than the recursion limit and than PATH_MAX (1,200 levels of 'deep/'), with
+    directories it made unreadable, is removed: it used to raise RecursionError out of
+    run_python and stay on disk."""
+    monkeypatch.setattr(runner, "namespaces_problem", lambda: "no namespaces in the deep-tree test")
+    limits = SandboxLimits(timeout_s=30.0, cpu_time_s=30, allow_unisolated=True)
+    program = ("import os\nos.mkdir('locked')\nopen('locked/file', 'w').close()\nos.chmod('locked', 0)\n"
+               "for _ in range(1200):\n    os.mkdir('deep')\n    os.chdir('deep')\n"
+               "    open('file', 'w').close()\nos.chmod('.', 0o500)\nprint('made')")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SandboxWarning)
+        result = run_python(program, limits)
+    assert (result.status, result.output) == ("ok", "made\n"), result.output
+    assert files_under(tmp_path) == []
+
+
+def test_the_report_comes_from_the_working_directory_even_when_the_program_moves_it(tmp_path, monkeypatch):
+    """Unisolated, a program may rename its own directory and leave a link to another
+    in its place; the report still comes from the directory it was given."""
+    monkeypatch.setattr(runner, "namespaces_problem", lambda: "no namespaces in the moved-directory test")
+    decoy = tmp_path / "decoy"
+    decoy.mkdir()
+    (decoy / "report.txt").write_text("decoy")
+    program = (f"import os\nhere = os.getcwd()\nos.rename(here, here + '-moved')\nos.symlink({str(decoy)!r}, here)\n"
+               "open(here + '-moved/report.txt', 'w').write('real')")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SandboxWarning)
+        result = run_python(program, SandboxLimits(timeout_s=30.0, cpu_time_s=30, allow_unisolated=True))
+    assert (result.status, result.report) == ("ok", "real"), result.output
+
+
+def test_removing_a_working_directory_never_follows_a_link(tmp_path):
+    outside = tmp_path / "outside"
+    (outside / "inner").mkdir(parents=True)
+    (outside / "inner" / "kept.txt").write_text("kept")
+    directory = workdir.make({"given.txt": "given"})
+    os.symlink(outside, os.path.join(directory, "link"))
+    os.symlink(outside / "inner" / "kept.txt", os.path.join(directory, "file_link"))
+    workdir.remove(directory)
+    assert not os.path.exists(directory) and (outside / "inner" / "kept.txt").read_text() == "kept"
 
 
 def test_the_probe_names_a_missing_tool(monkeypatch):
