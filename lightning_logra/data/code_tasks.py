@@ -1,12 +1,12 @@
 """A built-in offline code task: small Python functions to write, with hidden tests.
 
 Each row asks for one function ``f`` ("Write a Python function `f(x)` that returns x
-multiplied by 3 plus 2.") and carries ``tests``, five ``assert`` statements on inputs the
-prompt does not show (the format ``code_execution_reward`` reads), and
-``reference_solution``, a solution that passes them. Level 1 asks for one operation, level 2
-for two. The expected values are computed here by plain Python functions, never by running
-the solutions' text: the tests of the package run each reference solution in the sandbox
-against its tests.
+multiplied by 3 plus 2.") and carries ``tests``, five statements ``assert f(<literal>) ==
+<literal>`` on inputs the prompt does not show (``code_execution_reward`` calls ``f`` in the
+sandbox and compares the value outside it), and ``reference_solution``, a solution that
+passes them. Level 1 asks for one operation, level 2 for two. The expected values are
+computed here by plain Python functions, never by running the solutions' text: the tests of
+the package run each reference solution in the sandbox against its tests.
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """Checks of a training module's prompt data against what the module needs, made when the
-two meet at Lightning's setup (the reference answers of the built-in math reward, the model's
-positions), and a warning when no reward function scored a whole batch."""
+two meet at Lightning's setup (the reference answers of the built-in math reward, the code
+reward's tests, the model's positions), and a warning when no reward function scored a whole
+batch."""
 
 from __future__ import annotations
 
 import warnings
 
 from lightning_logra.data import PromptDataModule
+from lightning_logra.rewards.code import trusts_asserts
+from lightning_logra.rewards.code_tests import problem_in_tests
 from lightning_logra.rewards.math import math_reward
 from lightning_logra.rewards.runner import RewardRunner, RewardScores, RewardWarning
 
@@ -22,6 +25,19 @@ def check_answer_column(data: PromptDataModule, runner: RewardRunner) -> None:
                 f"{data.sources[split][0]}: no {split} row has an 'answer' column, which the built-in math reward "
                 "compares completions with: rename the dataset's reference column to it with the data module's "
                 "field_map (e.g. {'solution': 'answer'}), or pass reward functions that do not read it")
+
+
+def check_tests_column(data: PromptDataModule, runner: RewardRunner) -> None:
+    """The code rewards score a row by its ``tests``: a malformed row, or an assert that only
+    the program's own process could run without ``trust_asserts``, is refused before the
+    first step, naming the split and the row (1-based, counted after invalid rows skipped)."""
+    for trust in {trusts_asserts(function) for function in runner.functions} - {None}:
+        for split, dataset in data.datasets.items():
+            for row, columns in enumerate(dataset.columns, start=1):
+                problem = problem_in_tests(columns.get("tests"), trust_asserts=trust)
+                if problem is not None:
+                    raise ValueError(f"{data.sources[split][0]}: {split} row {row}: 'tests' for the code reward: "
+                                     f"{problem}")
 
 
 def drop_prompts_past_positions(data: PromptDataModule, model_config, tokenizer, max_new_tokens: int,

@@ -1,5 +1,5 @@
-"""The built-in code task: deterministic rows whose reference solutions pass their own
-hidden tests in the sandbox, and its ``code:<level>`` source."""
+"""The built-in code task: deterministic rows whose hidden tests are all judged outside the
+sandbox, whose reference solutions pass them, and its ``code:<level>`` source."""
 
 import re
 
@@ -7,7 +7,8 @@ import pytest
 
 from lightning_logra.data import PromptDataModule, code_rows
 from lightning_logra.data.code_tasks import TEMPLATES, TESTS_PER_ROW
-from lightning_logra.rewards.code import code_execution_reward, problem_in_tests
+from lightning_logra.rewards.code import code_execution_reward
+from lightning_logra.rewards.code_tests import CallTest, parse_tests
 from lightning_logra.sandbox import namespaces_problem
 
 NAMESPACES = namespaces_problem()
@@ -23,8 +24,9 @@ def test_rows_are_deterministic_with_a_seed():
 def test_rows_ask_for_f_and_hide_well_formed_tests(level):
     for row in code_rows(30, seed=0, level=level):
         assert row["prompt"].startswith("Write a Python function `f(") and row["prompt"].endswith(".")
-        assert len(row["tests"]) == TESTS_PER_ROW and problem_in_tests(row["tests"]) is None
-        assert all(test.startswith("assert f(") for test in row["tests"])
+        assert len(row["tests"]) == TESTS_PER_ROW and all(test.startswith("assert f(") for test in row["tests"])
+        # Every test is judged outside the sandbox: no assert needs trust_asserts.
+        assert all(isinstance(test, CallTest) and test.function == "f" for test in parse_tests(row["tests"]))
         assert row["reference_solution"].startswith("def f(")
 
 

@@ -1,12 +1,16 @@
 """code_execution_reward: the code it takes from a completion, the fraction of tests passed,
 its rows' format, batches run side by side, and its use by import path."""
 
-import os
+import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from lightning_logra.rewards import RewardRunner, code_execution_reward, extract_code
+from lightning_logra.rewards import RewardRunner, RewardWarning, code_execution_reward, extract_code
+from lightning_logra.rewards import code as code_reward
+from lightning_logra.rewards.code import usable_cpus
+from lightning_logra.rewards.code_tests import problem_in_tests
 from lightning_logra.sandbox import SandboxLimits, namespaces_problem
 
 NAMESPACES = namespaces_problem()
@@ -58,18 +62,39 @@ def test_a_forged_report_of_the_wrong_shape_scores_0():
 
 
 @pytest.mark.parametrize(("tests", "problem"), [
-    ([SQUARE_TESTS, "assert f(1) == 1"], r"tests of row 1: must be None or a non-empty list, got str"),
-    ([SQUARE_TESTS, []], r"tests of row 1: must be None or a non-empty list"),
-    ([[3]], r"tests of row 0: item 0 must be a string or a dict, got int"),
-    ([["  "]], r"tests of row 0: item 0 is an empty string"),
-    ([[{"function": "f", "input": 1, "output": 1}]], r"row 0: item 0: 'input' must be a list"),
-    ([[{"function": "f x", "input": [1], "output": 1}]], r"row 0: item 0: 'function' must be a function name"),
-    ([[{"function": "f", "input": [1]}]], r"row 0: item 0 must have exactly the keys"),
-    ([[{"function": "f", "input": [{1}], "output": 1}]], r"row 0: item 0 is not JSON-serialisable"),
+    ("assert f(1) == 1", r"must be None or a non-empty list, got str"),
+    ([], r"must be None or a non-empty list"),
+    ([3], r"item 0 must be a string or a dict, got int"),
+    (["  "], r"item 0 is an empty string"),
+    (["assert f(1 == 1"], r"item 0 is not Python: SyntaxError"),
+    (["assert f(x) == 1"], r"item 0 \('assert f\(x\) == 1'\) is not of the form "
+                           r"`assert name\(<literals>\) == <literal>` "
+                           r"\(an argument or the expected value is not a literal\); .* trust_asserts=True"),
+    (["assert f(1) == (1, 2)"], r"the expected value is not plain JSON data"),
+    ([{"function": "f", "input": 1, "output": 1}], r"item 0: 'input' must be a list"),
+    ([{"function": "f x", "input": [1], "output": 1}], r"item 0: 'function' must be a function name"),
+    ([{"function": "f", "input": [1]}], r"item 0 must have exactly the keys 'function', 'input', 'output' or 'stdin'"),
+    ([{"function": "f", "input": [{1}], "output": 1}], r"item 0: 'input' is not plain JSON data"),
+    ([{"function": "f", "input": [1], "output": float("nan")}], r"item 0: 'output' is not plain JSON data"),
+    ([{"stdin": 1, "stdout": "1"}], r"item 0: 'stdin' must be a string, got int"),
+    ([{"stdin": "", "stdout": "\ud800"}], r"item 0: 'stdout' is not UTF-8 text"),
 ])
-def test_a_malformed_row_is_named(tests, problem):
-    with pytest.raises(ValueError, match=problem):
-        code_execution_reward(["x"] * len(tests), tests=tests)
+def test_a_malformed_row_is_described(tests, problem):
+    assert re.search(problem, problem_in_tests(tests))
+
+
+def test_trusted_asserts_are_well_formed_only_with_trust_asserts():
+    assert problem_in_tests(["assert f(1) in (1, 2)"], trust_asserts=True) is None
+    assert "trust_asserts=True" in problem_in_tests(["assert f(1) in (1, 2)"])
+
+
+@needs_sandbox
+def test_a_malformed_row_scores_0_with_a_warning_naming_it_and_the_others_are_scored():
+    completion = f"```python\n{SQUARE}```"
+    warning = r"tests of row 1: must be None or a non-empty list, got str; the row scores 0"
+    with pytest.warns(RewardWarning, match=warning):
+        scores = code_execution_reward([completion] * 3, tests=[SQUARE_TESTS, "assert f(1) == 1", None])
+    assert scores == [1.0, 0.0, None]
 
 
 def test_a_dataset_without_tests_is_named():
@@ -83,13 +108,30 @@ def test_completions_and_rows_must_align():
 
 
 @needs_sandbox
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores to run programs side by side")
-def test_a_batch_runs_one_program_per_core_at_once():
+@pytest.mark.skipif(usable_cpus() < 2, reason="needs 2 usable CPUs to run programs side by side")
+def test_a_batch_runs_one_program_per_usable_cpu_at_once():
     sleeper = "```python\nimport time\ntime.sleep(2.5)\ndef f(x):\n    return x * x\n```"
     limits = SandboxLimits(timeout_s=30.0, cpu_time_s=30)
     started = time.monotonic()
     assert code_execution_reward([sleeper] * 2, tests=[SQUARE_TESTS] * 2, sandbox_limits=limits) == [1.0, 1.0]
     assert time.monotonic() - started < 2 * 2.5  # one after the other would take 5 s and more
+
+
+def test_programs_at_once_are_the_cpus_this_process_may_use_not_the_hosts(monkeypatch):
+    """On a 128-core host whose container may use 3 of them, 3 programs run at once."""
+    monkeypatch.setattr(code_reward.os, "sched_getaffinity", lambda pid: {4, 9, 17})
+    monkeypatch.setattr(code_reward.os, "cpu_count", lambda: 128)
+    pools = []
+
+    class RecordingPool(ThreadPoolExecutor):
+        def __init__(self, max_workers=None, **kwargs):
+            pools.append(max_workers)
+            super().__init__(max_workers=max_workers, **kwargs)
+
+    monkeypatch.setattr(code_reward, "ThreadPoolExecutor", RecordingPool)
+    assert usable_cpus() == 3
+    assert code_execution_reward(["no code here"], tests=[SQUARE_TESTS]) == [0.0]
+    assert pools == [3]
 
 
 @needs_sandbox
