@@ -15,9 +15,11 @@ from lightning_logra.tools.template import ToolChat
 
 
 def build_multi_turn(tools: Sequence[Callable | str] | None, environment_factory: Callable | str | None,
-                     config: MultiTurnConfig, max_tokens: int, tokenizer) -> MultiTurnRollouts | None:
+                     config: MultiTurnConfig, max_tokens: int, tokenizer,
+                     max_positions: int | None = None) -> MultiTurnRollouts | None:
     """Multi-turn rollouts when there are ``tools`` or an ``environment_factory`` (callables
-    or import paths), else None."""
+    or import paths), else None. ``max_positions``: the model's, which a prompt with its
+    environment's observation must leave ``max_tokens`` of."""
     if not tools and environment_factory is None:
         return None
     if isinstance(environment_factory, str):
@@ -26,7 +28,7 @@ def build_multi_turn(tools: Sequence[Callable | str] | None, environment_factory
         ToolChat(tokenizer, config.chat_template), ToolRunner(config.tool_timeout_s, config.max_hung_tool_calls),
         tools=load_tools(tools or []),
         environments=None if environment_factory is None else Environments(environment_factory),
-        max_turns=config.max_turns, max_tokens=max_tokens,
+        max_turns=config.max_turns, max_tokens=max_tokens, max_positions=max_positions,
     )
 
 

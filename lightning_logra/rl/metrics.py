@@ -69,8 +69,9 @@ def step_metrics(
 ) -> dict[str, float]:
     """Rewards, completions, the policy's entropy and rollout/trainer gap (at the weights
     that sampled), loss statistics, per-phase seconds; with tools, turns and tool calls per
-    sample and failed tool calls; with measured step KL, ``policy/step_kl``. ``mask`` marks
-    the trained tokens; completion lengths count generated tokens only (never tool results)."""
+    sample, failed tool calls and rollouts that could not start; with measured step KL,
+    ``policy/step_kl``. ``mask`` marks the trained tokens; completion lengths count generated
+    tokens only (never tool results)."""
     rollouts, rewards, device = scored.rollouts, scored.rewards, scored.rewards.device
     lengths = rollouts.completion_mask.sum(dim=1).float()
     groups = rewards.view(-1, num_generations)
@@ -130,11 +131,12 @@ def step_metrics(
             rest[:3]
         rest = rest[3:]
     if rollouts.conversations is not None:
-        turns, calls, failures = rest[:3]
-        rest = rest[3:]
+        turns, calls, failures, failed_rollouts = rest[:4]
+        rest = rest[4:]
         metrics["turns/mean"] = turns / count
         metrics["tools/calls_per_sample"] = calls / count
         metrics["tools/failures"] = failures
+        metrics["tools/failed_rollouts"] = failed_rollouts
     if passes.step_kl is not None:
         k3_sum, kl_tokens = rest
         metrics["policy/step_kl"] = k3_sum / max(kl_tokens, 1.0)
@@ -142,12 +144,14 @@ def step_metrics(
 
 
 def _conversation_totals(rollouts) -> tuple[float, ...]:
-    """Multi-turn rollouts: the sums of assistant turns, tool calls and failed tool calls."""
+    """Multi-turn rollouts: the sums of assistant turns, tool calls, failed tool calls and
+    rollouts that could not start (``Conversation.failure``)."""
     if rollouts.conversations is None:
         return ()
     conversations = rollouts.conversations
     return (float(sum(c.turns for c in conversations)), float(sum(c.tool_calls for c in conversations)),
-            float(sum(c.tool_failures for c in conversations)))
+            float(sum(c.tool_failures for c in conversations)),
+            float(sum(c.failure is not None for c in conversations)))
 
 
 def _moments(values: list[float | None]) -> tuple[float, float, float]:

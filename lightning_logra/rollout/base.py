@@ -59,7 +59,9 @@ class Conversation:
     with their ``tool_calls``, and ``tool`` results), ``turns`` (assistant turns generated),
     ``tool_calls`` and ``tool_failures`` (calls whose result was an error), and, with an
     environment that defines ``get_reward``, its class name (``reward_source``) and score
-    (None where it gave none, or failed: ``environment_reward_failed``)."""
+    (None where it gave none, or failed: ``environment_reward_failed``). ``failure`` says why
+    the rollout never started (its environment's ``reset`` failed, or the prompt left no
+    room): nothing was generated, and None where it ran."""
 
     messages: list[dict] = field(default_factory=list)
     turns: int = 0
@@ -68,6 +70,7 @@ class Conversation:
     reward_source: str | None = None
     environment_reward: float | None = None
     environment_reward_failed: bool = False
+    failure: str | None = None
 
 
 @runtime_checkable

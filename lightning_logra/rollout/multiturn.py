@@ -13,6 +13,13 @@ generated and tool tokens together, so that every consumer of that length (promp
 checks, the loss's normaliser, the overlong penalty) holds. A turn may use what is left; a
 row whose tool results would leave no room for another generated token ends there, as one
 that hit the limit (``ended_with_eos`` False).
+
+A rollout that cannot start fails alone: its environment's ``reset`` failed (raised, ran
+past the tool timeout, returned a non-string), or its prompt, with the tools and the
+environment's observation, leaves fewer than ``max_tokens`` of ``max_positions``. It keeps
+its prompt without the observation and an empty completion (``ended_with_eos`` False), its
+``Conversation.failure`` says why, and an environment's ``get_reward`` is not asked (the
+instance holds another rollout's state): that score counts as failed.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_logra.rollout.base import Continuation, Conversation, RolloutEngine, Rollouts, pack_rollouts
 from lightning_logra.tools.calls import parse_tool_calls
@@ -55,7 +63,8 @@ class MultiTurnRollouts:
     ``environments``, the tool methods of one environment instance per rollout."""
 
     def __init__(self, chat: ToolChat, runner: ToolRunner, *, tools: Sequence[Callable] = (),
-                 environments: Environments | None = None, max_turns: int, max_tokens: int) -> None:
+                 environments: Environments | None = None, max_turns: int, max_tokens: int,
+                 max_positions: int | None = None) -> None:
         if not tools and environments is None:
             raise ValueError("multi-turn rollouts need tools or an environment_factory")
         self.chat = chat
@@ -65,6 +74,8 @@ class MultiTurnRollouts:
         self.schemas = [tool_schema(tool) for tool in tools] + (environments.schemas if environments else [])
         self.max_turns = max_turns
         self.max_tokens = max_tokens
+        self.max_positions = max_positions  # the model's; None: not checked
+        self._warned: set[str] = set()
 
     def tool_prompt_tokens(self) -> int:
         """Tokens a prompt gains when rendered with the tools (at least 0), beside the plain
@@ -93,7 +104,7 @@ class MultiTurnRollouts:
         data-parallel rank has rows left to generate (HF generation under FSDP2 is a
         collective: every rank runs as many turns)."""
         started = self._start(prompts, rows, num_generations)
-        active = list(started)
+        active = [row for row in started if row.conversation.failure is None]
         for turn in range(self.max_turns):
             if not any_rank(bool(active)):
                 break
@@ -125,13 +136,40 @@ class MultiTurnRollouts:
         started = []
         for index, environment in enumerate(instances):
             messages, tools = prompts[index // num_generations], dict(self.tools)
+            observation = failure = None
             if environment is not None:
-                observation = self.environments.reset(environment, rows[index // num_generations])
-                if observation:
-                    messages = _with_observation(messages, observation)
+                observation, failure = self.environments.reset(environment, rows[index // num_generations], self.runner)
+                self._warn_once("reset", failure)
                 tools.update(environment_tools(environment))
-            started.append(_Row(self.chat.prompt_ids(messages, self.schemas), tools, environment))
+            prompt_ids = self.chat.prompt_ids(_with_observation(messages, observation) if observation else messages,
+                                              self.schemas)
+            if failure is None:
+                failure = self._no_room(prompt_ids, observed=bool(observation))
+                self._warn_once("positions", failure)
+                if failure is not None and observation:  # the row keeps the prompt its data gave
+                    prompt_ids = self.chat.prompt_ids(messages, self.schemas)
+            row = _Row(prompt_ids, tools, environment)
+            row.conversation.failure = failure
+            started.append(row)
         return started
+
+    def _warn_once(self, kind: str, failure: str | None) -> None:
+        """The first failure of each ``kind`` is a warning: a failed reset or an observation
+        too long is the environment's to fix, not the model's."""
+        if failure is not None and kind not in self._warned:
+            self._warned.add(kind)
+            rank_zero_warn(f"A rollout could not start: {failure}. Nothing is generated for it, its environment's "
+                           "score counts as failed and it counts in tools/failed_rollouts; later failures of this kind "
+                           "are only counted")
+
+    def _no_room(self, prompt_ids: list[int], *, observed: bool) -> str | None:
+        """Why a prompt of ``prompt_ids`` leaves no room for a completion in the model's
+        positions; None when it does (or they are not known)."""
+        if self.max_positions is None or len(prompt_ids) + self.max_tokens <= self.max_positions:
+            return None
+        observation = " with the environment's observation" if observed else ""
+        return (f"the prompt{observation} has {len(prompt_ids)} tokens: with the {self.max_tokens} the completion may "
+                f"have, it passes the model's {self.max_positions} positions")
 
     def _take_turn(self, row: _Row, sampled: Continuation, *, last: bool) -> bool:
         """Add a generated turn and, when it calls tools (and may continue), their results;
@@ -166,6 +204,9 @@ class MultiTurnRollouts:
         if environments is None or not environments.has_reward:
             return
         conversation.reward_source = environments.name
+        if conversation.failure is not None:
+            conversation.environment_reward_failed = True
+            return
         value, error = self.runner.run(f"{environments.name}.get_reward", row.environment.get_reward, {})
         finite = error is None and isinstance(value, (int, float)) and not isinstance(value, bool) \
             and math.isfinite(value)

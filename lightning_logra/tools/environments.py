@@ -1,16 +1,19 @@
 """TRL's ``environment_factory``: a callable returning an object whose public methods (other
 than ``reset`` and ``get_reward``) are tools, one instance per rollout.
 
-``reset(**row)`` receives the dataset row's columns before the rollout starts; a string it
-returns is appended to the prompt's last user message. ``get_reward()``, when the class
-defines it, scores the finished rollout from the environment's state: one more reward source
-(weight 1, logged as ``reward/<class name>/mean``)."""
+``reset(**row)`` receives the dataset row's columns before the rollout starts, under the
+tool timeout; a string it returns is appended to the prompt's last user message. A reset that
+raises, runs past the timeout or returns anything but a string or None fails that rollout
+only. ``get_reward()``, when the class defines it, scores the finished rollout from the
+environment's state: one more reward source (weight 1, logged as
+``reward/<class name>/mean``)."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
 
+from lightning_logra.tools.execution import ToolRunner
 from lightning_logra.tools.schema import tool_schema
 
 RESERVED = ("reset", "get_reward")
@@ -41,9 +44,11 @@ class Environments:
             self._pool.append(self.factory())
         return self._pool[:count]
 
-    def reset(self, environment: object, row: dict) -> str | None:
-        observation = environment.reset(**row)
-        if observation is not None and not isinstance(observation, str):
-            raise TypeError(f"{self.name}.reset(**row) returned a {type(observation).__name__}; it must return a "
-                            "string (appended to the prompt) or None")
-        return observation
+    def reset(self, environment: object, row: dict, runner: ToolRunner) -> tuple[str | None, str | None]:
+        """``environment.reset(**row)`` as ``runner`` runs tools: ``(observation, None)``, or
+        ``(None, why it failed)``."""
+        observation, error = runner.run(f"{self.name}.reset", environment.reset, row)
+        if error is None and observation is not None and not isinstance(observation, str):
+            error = (f"{self.name}.reset returned a value of type {type(observation).__name__}; it must return a "
+                     "string (appended to the prompt) or None")
+        return (None, error) if error is not None else (observation, None)

@@ -1,22 +1,24 @@
 """Running the model's tool calls: in this process (tools are the user's own code, as in
 TRL), each in a daemon thread under a timeout, so that no tool stops a step.
 
-A call that names no tool, passes arguments the tool's signature does not take, raises,
-runs past ``timeout_s`` or returns anything but a string (ints and floats are written with
-``str``) fails: the model receives ``Error: <why>`` as the result and the failure is
-counted. A thread that runs past its timeout cannot be stopped; it is left running, and
-once more than ``max_hung_calls`` such threads are alive the run stops with an error naming
-the tool, rather than piling up threads."""
+A call that names no tool, passes arguments that do not match the tool's schema (an unknown
+or missing name, a JSON type other than the type hint's: ``schema.argument_problem``; the
+tool is then not called), raises (``SystemExit`` included), runs past ``timeout_s`` or
+returns anything but a string (ints and floats are written with ``str``) fails: the model
+receives ``Error: <why>`` as the result and the failure is counted. A thread that runs past
+its timeout cannot be stopped; it is left running, and once more than ``max_hung_calls``
+such threads are alive the run stops with an error naming the tool, rather than piling up
+threads."""
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_logra.tools.calls import ToolCall
+from lightning_logra.tools.schema import argument_problem, tool_schema
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class ToolRunner:
         self.timeout_s = timeout_s
         self.max_hung_calls = max_hung_calls
         self._hung: list[threading.Thread] = []
+        self._schemas: dict[Callable, dict] = {}
 
     def call(self, call: ToolCall, tools: dict[str, Callable]) -> ToolResult:
         """Run ``call`` with the tool of its name in ``tools``."""
@@ -53,10 +56,9 @@ class ToolRunner:
         if tool is None:
             available = ", ".join(sorted(tools)) or "none"
             return _failure(name, f"there is no tool named {call.name!r} (tools: {available})")
-        try:
-            inspect.signature(tool).bind(**call.arguments)
-        except TypeError as error:
-            return _failure(name, f"bad arguments for tool {call.name!r}: {error}")
+        problem = argument_problem(self._parameters(tool), call.arguments)
+        if problem is not None:
+            return _failure(name, f"bad arguments for tool {call.name!r}: {problem}")
         value, error = self.run(f"tool {call.name!r}", tool, call.arguments)
         if error is not None:
             return _failure(name, error)
@@ -75,7 +77,7 @@ class ToolRunner:
         def target() -> None:
             try:
                 outcome.append((function(**arguments), None))
-            except Exception as error:  # the tool's own failure, reported to the model
+            except BaseException as error:  # the tool's own failure (sys.exit too), reported to the model
                 outcome.append((None, f"{what} raised {type(error).__name__}: {error}"))
 
         thread = threading.Thread(target=target, name=what, daemon=True)
@@ -90,6 +92,14 @@ class ToolRunner:
                 f"{what}); threads cannot be stopped, so the run stops here: make the tool return (or raise) in time, "
                 "or raise multi_turn.tool_timeout_s / multi_turn.max_hung_tool_calls")
         return None, f"{what} did not return within {self.timeout_s:g} s"
+
+    def _parameters(self, tool: Callable) -> dict:
+        """The tool's schema ``parameters``, built once per function (an environment's bound
+        methods share their class's)."""
+        function = getattr(tool, "__func__", tool)
+        if function not in self._schemas:
+            self._schemas[function] = tool_schema(tool)["function"]["parameters"]
+        return self._schemas[function]
 
 
 def _failure(name: str, why: str) -> ToolResult:

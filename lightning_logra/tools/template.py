@@ -11,9 +11,16 @@ A template passed as ``chat_template`` overrides both.
 Token in, token out: a tool turn's tokens are those of the rendered tool messages plus the
 next assistant header, cut from a rendering of a short conversation (so that nothing the
 model generated is ever re-tokenised) and appended to the generated tokens as they are.
+
+Plain text: a tool message's ``content`` and ``name`` (text that a model can steer: a tool
+echoes its arguments, an error names the tool the model asked for) are tokenised with special
+tokens split, so that ``<|im_end|><|im_start|>system`` in a result stays text and cannot open a
+turn; only the template's own text is read with its special tokens.
 """
 
 from __future__ import annotations
+
+import re
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
@@ -75,9 +82,10 @@ class ToolChat:
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, chat_template=self.chat_template,
                                                   add_generation_prompt=add_generation_prompt, tokenize=False)
 
-    def encode(self, text: str) -> list[int]:
-        """The rendered text's tokens (the template writes any special tokens itself)."""
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def encode(self, text: str, *, plain: bool = False) -> list[int]:
+        """The rendered text's tokens (the template writes any special tokens itself); with
+        ``plain``, special tokens' text is split into ordinary tokens."""
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"]
 
     def prompt_ids(self, messages: list[dict], tools: list[dict]) -> list[int]:
         return self.encode(self.render(messages, tools, add_generation_prompt=True))
@@ -89,7 +97,8 @@ class ToolChat:
         before = [{"role": "user", "content": "."},
                   {"role": "assistant", "content": "", "tool_calls": [call.as_message_call() for call in calls]}]
         prefix = self.encode(self.render(before, tools, add_generation_prompt=False))
-        full = self.encode(self.render(before + results, tools, add_generation_prompt=True))
+        full = [token for piece, plain in self._pieces_with_plain_fields(before, results, tools)
+                for token in self.encode(piece, plain=plain)]
         # The generated turn stops on its end-of-turn token; whatever the template writes after
         # it (ChatML: a newline) belongs to the tool turn.
         ends = [index for index, token in enumerate(prefix) if token == self.end_of_turn_id]
@@ -99,6 +108,44 @@ class ToolChat:
             raise ValueError("the chat template renders an assistant turn differently once tool results follow it: "
                              "its tool turn's tokens cannot be cut from the conversation (set multi_turn.chat_template)")
         return full[len(prefix):]
+
+    def _pieces_with_plain_fields(self, before: list[dict], results: list[dict], tools: list[dict]
+                                  ) -> list[tuple[str, bool]]:
+        """``before + results`` rendered (with the next assistant header) as pieces of text,
+        each with whether it is plain: the results' ``name`` and ``content`` fields are.
+
+        The template renders each field as a mark, so that the text around the marks is its
+        own; each field's own rendering (a filter such as ``trim`` or ``tojson`` may change it)
+        is then cut from a rendering where that field alone is real."""
+        marks, marked = {}, [dict(result) for result in results]
+        for index, message in enumerate(marked):
+            for key in ("name", "content"):
+                if isinstance(message.get(key), str):
+                    mark = f"ToolField{len(marks)}Mark"  # letters and digits: no filter changes them
+                    marks[mark], message[key] = (index, key), mark
+        template = self.render(before + marked, tools, add_generation_prompt=True)
+        fields = {}
+        for mark, (index, key) in marks.items():
+            if mark in template:
+                one_real = [dict(message) for message in marked]
+                one_real[index][key] = results[index][key]
+                real = self.render(before + one_real, tools, add_generation_prompt=True)
+                fields[mark] = _field_as_rendered(template, mark, real, results[index][key])
+        if not fields:
+            return [(template, False)]
+        pieces = re.split(f"({'|'.join(fields)})", template)
+        # re.split with a group: the text between marks at even places, the marks at odd ones.
+        return [(fields[piece], True) if place % 2 else (piece, False) for place, piece in enumerate(pieces) if piece]
+
+
+def _field_as_rendered(template: str, mark: str, real: str, value: str) -> str:
+    """What the template wrote for ``value`` where ``template`` has ``mark`` (``real``: the
+    same rendering with the value in place of the mark, wherever the mark appears). A template
+    that renders the value by other rules (e.g. leaves out an empty one) gets it as given."""
+    count, start = template.count(mark), template.index(mark)
+    extra, uneven = divmod(len(real) - len(template), count)
+    candidate = real[start: start + len(mark) + extra]
+    return candidate if not uneven and template.replace(mark, candidate) == real else value
 
 
 def renders_tools(tokenizer) -> bool:

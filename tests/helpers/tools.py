@@ -1,13 +1,18 @@
 """Scripted multi-turn generation for tool tests: a model whose ``generate`` writes given
-texts (then EOS), one per call, recording the tokens each call was given; tools and an
-environment for the tests."""
+texts (then EOS), one per call, recording the tokens each call was given, or an engine
+without a model that does the same; tools and environments for the tests, well-behaved and
+not."""
 
 from __future__ import annotations
 
+import sys
 import threading
+from typing import Literal
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
+
+from lightning_logra.rollout.base import Continuation
 
 
 class _ForceTokens(LogitsProcessor):
@@ -118,3 +123,84 @@ class GuessEnvironment:
 
     def get_reward(self) -> float:
         return 1.0 if self.last_guess == self.target else 0.0
+
+
+class ScriptedEngine:
+    """A rollout engine without a model: its ``k``-th ``continue_tokens`` call writes
+    ``turns[k]`` (one text for every row, or one per row), then EOS, each token at log-prob
+    -1; ``inputs[k]`` holds the token lists that call was given. Fast enough for turns of
+    thousands of tokens. Special tokens' text in a script is written as plain text, as a
+    model that writes it would."""
+
+    def __init__(self, tokenizer, turns: list[str | list[str]]) -> None:
+        self.tokenizer, self.turns = tokenizer, turns
+        self.inputs: list[list[list[int]]] = []
+
+    def continue_tokens(self, token_ids: list[list[int]], max_new_tokens: list[int], *, temperature=None,
+                        top_p=None) -> list[Continuation]:
+        self.inputs.append([list(ids) for ids in token_ids])
+        script = self.turns[len(self.inputs) - 1]
+        texts = [script] * len(token_ids) if isinstance(script, str) else script
+        continuations = []
+        for text, limit in zip(texts, max_new_tokens, strict=True):
+            # Text a model writes as ordinary pieces, even "<|im_end|>" (a special token it
+            # sampled would be dropped when the turn is decoded).
+            ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] \
+                + [self.tokenizer.eos_token_id]
+            kept = ids[:limit]
+            continuations.append(Continuation(kept, [-1.0] * len(kept), ended_with_eos=len(ids) <= limit))
+        return continuations
+
+
+def typed(count: int, ratio: float, flag: bool, text: str, numbers: list[int], table: dict[str, int],
+          pair: tuple[int, str], choice: Literal["up", "down"], maybe: int | None = None) -> str:
+    """Takes one argument of each JSON type and reports the Python types it was given.
+
+    Args:
+        count: an integer
+        ratio: a number
+        flag: a boolean
+        text: a string
+        numbers: integers
+        table: integers by name
+        pair: an integer and a string
+        choice: a direction
+        maybe: an integer or null
+    """
+    return " ".join(type(value).__name__ for value in (count, ratio, flag, text, numbers, table, pair, choice, maybe))
+
+
+def exits(code: int) -> str:
+    """Calls sys.exit.
+
+    Args:
+        code: the exit status
+    """
+    sys.exit(code)
+
+
+class TroubledEnvironment(GuessEnvironment):
+    """``GuessEnvironment`` whose ``reset`` misbehaves on the row's ``trouble`` column, or
+    else on the one it was made with: "raise" raises, "hang" waits until ``RELEASE`` (at most
+    30 s), "exit" calls ``sys.exit(3)``, "number" returns an int, "long" returns
+    ``LONG_OBSERVATION``; None resets as ``GuessEnvironment`` does."""
+
+    def __init__(self, trouble: str | None = None) -> None:
+        super().__init__()
+        self.trouble = trouble
+
+    def reset(self, answer, trouble=None, **row) -> str | int:
+        trouble = trouble or self.trouble
+        if trouble == "raise":
+            raise ValueError(f"cannot set up {answer}")
+        if trouble == "hang":
+            RELEASE.wait(30)
+        if trouble == "exit":
+            sys.exit(3)
+        if trouble == "number":
+            return 7
+        observation = super().reset(answer)
+        return LONG_OBSERVATION if trouble == "long" else observation
+
+
+LONG_OBSERVATION = " Guess my number." * 40
