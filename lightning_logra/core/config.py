@@ -63,8 +63,8 @@ class LoGRAConfig:
     ``LoGRAOptimizer`` then writes the resolved int back here, and that int is what
     checkpoints hold."""
     seed: int = 42
-    """Base seed of the projections: every A is re-derived from it, the update number and
-    the layer's name."""
+    """Base seed of the projections, from 0 to 2**63 - 1: every A is re-derived from it, the
+    update number and the layer's name."""
     distribution: Literal["rademacher", "gaussian"] = "rademacher"
     """Entries of A: +-1/sqrt(r) (random signs), or N(0, 1)/sqrt(r)."""
     redraw_projections: bool = True
@@ -165,7 +165,7 @@ class LoGRAConfig:
         check = FieldChecks.of(self)
         check.require("rank", self.rank == AUTO_RANK or (is_integer(self.rank) and self.rank >= 1),
                       f"an integer >= 1 or {AUTO_RANK!r}")
-        check.integer("seed", at_least=0)
+        check.seed("seed")
         check.choice("distribution", ("rademacher", "gaussian"))
         check.boolean("redraw_projections")
         check.boolean("share_projection_by_input")

@@ -4,9 +4,11 @@ arguments.
 
 A failed check raises ``ValueError("<Class>.<field> = <value> is invalid: must be <allowed>")``.
 Numbers must be finite, and ``True``/``False`` is never taken for a number, whatever Python
-says (``bool`` is a subclass of ``int``). Renamed fields keep their old names as deprecated
-aliases (``renamed_field`` for keyword arguments, ``deprecated_attributes`` for attribute
-access), which warn once per name per process.
+says (``bool`` is a subclass of ``int``). Seeds and timeouts have upper bounds too
+(``MAX_SEED``, ``MAX_TIMEOUT_S``): values past them would pass here and fail at their first
+use. Renamed fields keep their old names as deprecated aliases (``renamed_field`` for
+keyword arguments, ``deprecated_attributes`` for attribute access), which warn once per
+name per process.
 
 Standard library only (``core`` imports nothing but torch and the standard library).
 """
@@ -22,6 +24,13 @@ from typing import Any
 
 # "<Class>.<old name>" of every deprecated alias that has warned in this process.
 _warned_aliases: set[str] = set()
+
+# Seeds reach torch.Generator.manual_seed, which takes at most 2**64 - 1, some with an offset
+# added (the epoch, + 1 for validation): a signed 64-bit bound leaves room for those.
+MAX_SEED = 2**63 - 1
+# threading's waits raise OverflowError past threading.TIMEOUT_MAX (9.2e9 s on Linux, 4.3e6 s
+# on Windows) at the first call, not at construction; a day is longer than any call should take.
+MAX_TIMEOUT_S = 86_400.0
 
 
 class FieldChecks:
@@ -64,6 +73,17 @@ class FieldChecks:
             return
         ok = is_finite_number(value) and _within(value, above, at_least, below, at_most)
         self.require(name, ok, _allowed("a finite number", above, at_least, below, at_most, optional))
+
+    def seed(self, name: str) -> None:
+        """A random seed: an integer in ``[0, MAX_SEED]``."""
+        value = self.values[name]
+        self.require(name, is_integer(value) and 0 <= value <= MAX_SEED, "an integer >= 0 and <= 2**63 - 1")
+
+    def timeout(self, name: str) -> None:
+        """Seconds to wait for a call: a finite number in ``(0, MAX_TIMEOUT_S]``."""
+        value = self.values[name]
+        self.require(name, is_finite_number(value) and 0 < value <= MAX_TIMEOUT_S,
+                     f"a finite number > 0 and <= {MAX_TIMEOUT_S:g} (24 h)")
 
     def number_list(self, name: str, length: int, *, at_least: float | None = None,
                     below: float | None = None) -> None:

@@ -63,7 +63,8 @@ class PromptDataModule(LightningDataModule):
         num_workers: DataLoader worker processes.
         skip_invalid_rows: drop rows that fail validation (counted in ``skipped``) instead of
             raising on the first one.
-        seed: the training order's shuffle seed (and the built-in sources' draw).
+        seed: the training order's shuffle seed (and the built-in sources' draw), from 0 to
+            2**63 - 1.
         val_batch_size: prompts per validation batch on each rank (default ``batch_size``).
             Validation only generates, so a larger batch costs memory for its rollouts, not
             for gradients, and takes fewer, wider generation calls. Each batch's samples are
@@ -103,7 +104,7 @@ class PromptDataModule(LightningDataModule):
         check.integer("max_prompt_tokens", at_least=1, optional=True)
         check.integer("train_size", at_least=1)
         check.integer("val_size", at_least=1)
-        check.integer("seed", at_least=0)
+        check.seed("seed")
         check.boolean("conversational")
         check.require("max_prompt_tokens", max_prompt_tokens is None or tokenizer is not None,
                       "None without a tokenizer to count tokens")

@@ -32,9 +32,11 @@ def read_rows(path_or_name: str | Path, split: str | None = None) -> list:
     if path.is_file():
         suffix = path.suffix.lower()
         if suffix in (".jsonl", ".ndjson"):
-            return [_parse_line(line) for line in _jsonl_lines(path)]
+            return [_parse_json(line) for line in _jsonl_lines(path)]
         if suffix == ".json":
-            rows = json.loads(path.read_text(encoding="utf-8"))
+            rows = _parse_json(path.read_text(encoding="utf-8"))
+            if isinstance(rows, InvalidJSONLine):
+                raise ValueError(f"{path}: {rows.error}")
             if not isinstance(rows, list):
                 raise ValueError(f"{path}: a .json source must hold a list of rows, got {type(rows).__name__}")
             return rows
@@ -64,16 +66,36 @@ def _jsonl_lines(path: Path) -> list[str]:
     return decoded
 
 
+# Column names a row cannot use, and what already has them. A column of one of these names
+# would be overwritten, or passed to the reward functions twice (``rl.sampling.score_rollouts``
+# passes these beside the columns) and fail every step with a TypeError.
+REWARD_ARGUMENT = "a keyword argument every reward function receives"
+RESERVED_COLUMNS = {
+    "prompt_text": "the rendered prompt the data module adds to every row",
+    "completions": REWARD_ARGUMENT,
+    "prompts": REWARD_ARGUMENT,
+    "completion_ids": REWARD_ARGUMENT,
+    "transcripts": "a keyword argument reward functions receive in multi-turn rollouts",
+}
+
+
 def validate_rows(rows: list, source: str, *, skip_invalid_rows: bool = False) -> tuple[list[dict], int]:
     """Check every row; returns ``(valid_rows, skipped)``.
 
     By default the first bad row raises ``ValueError`` naming ``source``, its location (the
     1-based line for JSONL, else the 1-based row) and the field, so ``skipped`` is 0. With
-    ``skip_invalid_rows`` bad rows are dropped instead and ``skipped`` counts them.
+    ``skip_invalid_rows`` bad rows are dropped instead and ``skipped`` counts them. A row
+    with a column of a reserved name (``RESERVED_COLUMNS``) always raises: renaming the
+    column (``field_map``) is the fix, not dropping the row.
     """
     location = "line" if str(source).lower().endswith((".jsonl", ".ndjson")) else "row"
     valid = []
     for index, row in enumerate(rows, start=1):
+        reserved = next((name for name in RESERVED_COLUMNS if isinstance(row, dict) and name in row), None)
+        if reserved is not None:
+            raise ValueError(f"{source}: {location} {index} has a column {reserved!r}, the name of "
+                             f"{RESERVED_COLUMNS[reserved]}: rename the column with the data module's field_map, e.g. "
+                             f"{{{reserved!r}: 'source_{reserved}'}}")
         problem = _row_problem(row)
         if problem is None:
             valid.append(row)
@@ -112,11 +134,18 @@ def reasoning_gym_rows(task: str, n: int, seed: int) -> list[dict]:
     ]
 
 
-def _parse_line(line: str):
+def _parse_json(text: str):
+    """The value ``text`` holds, or an ``InvalidJSONLine`` saying why json cannot read it:
+    malformed, an integer past Python's 4300-digit conversion limit (``ValueError``), or
+    nested deeper than the recursion limit (``RecursionError``)."""
     try:
-        return json.loads(line)
+        return json.loads(text)
     except json.JSONDecodeError as error:
         return InvalidJSONLine(f"invalid JSON ({error.msg})")
+    except RecursionError:
+        return InvalidJSONLine("invalid JSON (nested too deeply to read)")
+    except ValueError as error:
+        return InvalidJSONLine(f"invalid JSON ({error})")
 
 
 def _read_parquet(path: Path) -> list[dict]:

@@ -15,7 +15,7 @@ def check_arguments(loss: LossConfig, rollout: RolloutConfig, lora: LoRAConfig |
     buffer, generations, engine = loss.overlong_buffer, rollout.num_generations, rollout.engine
     check = FieldChecks("GRPOModule", {**values, "loss.overlong_buffer": buffer, "rollout.num_generations": generations,
                                        "rollout.engine": engine})
-    check.number("reward_timeout_s", above=0)
+    check.timeout("reward_timeout_s")
     check.integer("reward_max_consecutive_timeouts", at_least=1)
     check.integer("micro_batch_size", at_least=1)
     check.integer("micro_batch_tokens", at_least=1, optional=True)

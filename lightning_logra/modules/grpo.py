@@ -27,7 +27,12 @@ from lightning_logra.models import build_model, load_tokenizer, model_source, wi
 from lightning_logra.modules.arguments import check_arguments
 from lightning_logra.modules.completions import completion_table, log_completion_table
 from lightning_logra.modules.multi_turn import build_multi_turn, prompt_conversations
-from lightning_logra.modules.prompt_checks import check_answer_column, drop_prompts_past_positions, warn_if_unscored
+from lightning_logra.modules.prompt_checks import (
+    check_answer_column,
+    check_tests_column,
+    drop_prompts_past_positions,
+    warn_if_unscored,
+)
 from lightning_logra.rewards.runner import RewardRunner, RewardScores
 from lightning_logra.rollout.base import RolloutEngine, Rollouts
 from lightning_logra.rollout.engines import build_engine, step_low_rank_updates, sync_engine
@@ -45,6 +50,7 @@ from lightning_logra.rl.config import LoRAConfig, LossConfig, MultiTurnConfig, O
 from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE
 from lightning_logra.rl.losses import NonFiniteRewards, RunningBaseline, group_advantages
 from lightning_logra.rl.metrics import PassTotals, PhaseClock, step_metrics
+from lightning_logra.rl.packing import check_packing
 from lightning_logra.rl.sampling import (
     ScoredRollouts,
     draw_prompts,
@@ -86,8 +92,9 @@ class GRPOModule(L.LightningModule):
     all of them (``val_completions/step_<step>.json`` in MLflow).
 
     When the fit starts, a ``PromptDataModule``'s data is checked against the module: with
-    the built-in math reward a split without any ``answer`` is refused, and prompts that leave
-    fewer than ``rollout.max_new_tokens`` of the model's positions are dropped and counted
+    the built-in math reward a split without any ``answer`` is refused, with the code reward
+    a malformed row of ``tests`` is refused naming it, and prompts that leave fewer than
+    ``rollout.max_new_tokens`` of the model's positions are dropped and counted
     (see ``lightning_logra.modules.prompt_checks``). A batch that no reward function scored
     warns once.
 
@@ -103,8 +110,8 @@ class GRPOModule(L.LightningModule):
         rewards: reward functions as import paths ``"module:function"``, each TRL's
             ``fn(completions, **columns) -> list[float | None]``; default: the built-in math reward.
         reward_weights: one weight per reward function (default 1 each).
-        reward_timeout_s: seconds each reward function may take on a batch; past it the
-            function's scores for the batch are failures (0, counted).
+        reward_timeout_s: seconds each reward function may take on a batch, at most 86400
+            (24 h); past it the function's scores for the batch are failures (0, counted).
         reward_max_consecutive_timeouts: batches in a row on which one reward function may
             time out before the run stops with an error naming it (each timeout of a function
             run in a thread leaves that thread behind).
@@ -118,8 +125,10 @@ class GRPOModule(L.LightningModule):
             old and reference log-probs, or LoGRA's KL probe. Log-probs, losses and
             gradients equal the padded computation's (to float rounding). A sequence longer
             than the budget runs alone (one warning names the budget). Needs a model whose
-            attention follows packed ``position_ids`` with no attention mask (transformers'
-            sdpa, eager and flash-attention implementations do). None: ``micro_batch_size``.
+            attention follows packed ``position_ids`` with no attention mask: when the fit
+            starts, packed and padded log-probs of a small random batch are compared and a
+            model whose differ (e.g. OPT, BLOOM) is refused, naming its class.
+            None: ``micro_batch_size``.
         lora: train LoRA adapters of this shape (peft) instead of the full weights (dense or
             LoRA baseline); None trains the full weights.
         activation_checkpointing: recompute each decoder layer's activations in backward
@@ -215,7 +224,8 @@ class GRPOModule(L.LightningModule):
             self.policy = with_lora(self.policy, lora)
 
         self.multi_turn = build_multi_turn(tools, environment_factory, multi_turn or MultiTurnConfig(),
-                                           self.rollout_config.max_new_tokens, self.tokenizer)
+                                           self.rollout_config.max_new_tokens, self.tokenizer,
+                                           getattr(self.model_config, "max_position_embeddings", None))
         self.reward_runner = RewardRunner(rewards or [DEFAULT_REWARD], weights=reward_weights, timeout_s=reward_timeout_s,
                                           max_consecutive_timeouts=reward_max_consecutive_timeouts)
         self.baseline = RunningBaseline(self.loss_config.baseline_weight, self.loss_config.failure_reward)
@@ -273,8 +283,18 @@ class GRPOModule(L.LightningModule):
         data = self.trainer.datamodule
         if isinstance(data, PromptDataModule):
             check_answer_column(data, self.reward_runner)
+            check_tests_column(data, self.reward_runner)
             drop_prompts_past_positions(data, self.model_config, self.tokenizer, self.rollout_config.max_new_tokens,
                                         0 if self.multi_turn is None else self.multi_turn.tool_prompt_tokens())
+
+    def on_fit_start(self) -> None:
+        """With ``micro_batch_tokens``, refuse a policy whose packed log-probs differ from its
+        padded ones (``check_packing``), once the strategy has placed and filled it."""
+        if self.micro_batch_tokens is None:
+            return
+        check_packing(self.policy, any_rank=lambda flag: any_rank(flag, self.device))
+        if hasattr(self.policy, "reshard"):  # FSDP2: no backward follows this forward
+            self.policy.reshard()
 
     # Training ---------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
@@ -381,7 +401,8 @@ class GRPOModule(L.LightningModule):
             raise RuntimeError(
                 f"{self._empty_updates_in_a_row} updates in a row had no completion token to train on: with "
                 "loss.mask_truncated every completion hit rollout.max_new_tokens "
-                f"({self.rollout_config.max_new_tokens}); raise it, or turn mask_truncated off")
+                f"({self.rollout_config.max_new_tokens}); raise it, or turn mask_truncated off. With an "
+                "environment_factory, no rollout may have started (tools/failed_rollouts; a warning says why)")
 
     def _sample(self, batch: dict[str, list], phases: "PhaseClock"):
         """The step's scored rollouts; with ``rollout.dynamic_sampling`` groups of equal

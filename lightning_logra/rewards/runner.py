@@ -35,6 +35,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from lightning_logra.core.validation import MAX_TIMEOUT_S
 from lightning_logra.imports import load_object
 from lightning_logra.rewards.workers import (
     FLOAT32_MAX,
@@ -112,8 +113,8 @@ class RewardRunner:
         self.functions = [load_reward(f) if isinstance(f, str) else f for f in functions]
         self.names = _unique_names(self.functions)
         self.weights = _checked_weights(weights, len(self.functions))
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not 0 < timeout_s <= MAX_TIMEOUT_S:  # past it threading's waits raise OverflowError
+            raise ValueError(f"timeout_s must be > 0 and <= {MAX_TIMEOUT_S:g} (24 h), got {timeout_s}")
         if isinstance(max_consecutive_timeouts, bool) or not isinstance(max_consecutive_timeouts, int) \
                 or max_consecutive_timeouts < 1:
             raise ValueError(f"max_consecutive_timeouts must be an integer >= 1, got {max_consecutive_timeouts!r}")

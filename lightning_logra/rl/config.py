@@ -148,7 +148,8 @@ class MultiTurnConfig:
     max_turns: int = 4
     """Most assistant turns per rollout (tool calls in the last one are not run)."""
     tool_timeout_s: float = 5.0
-    """Seconds a tool call (and an environment's ``get_reward``) may take; past it the model is told it failed."""
+    """Seconds a tool call (and an environment's ``reset`` and ``get_reward``) may take, at most 86400 (24 h); past
+    it the model is told the call failed, and a ``reset`` fails its rollout."""
     max_hung_tool_calls: int = 8
     """Tool calls still running past their timeout (threads cannot be stopped) before the run stops with an error."""
     chat_template: str | None = None
@@ -158,7 +159,7 @@ class MultiTurnConfig:
     def __post_init__(self) -> None:
         check = FieldChecks.of(self)
         check.integer("max_turns", at_least=1)
-        check.number("tool_timeout_s", above=0)
+        check.timeout("tool_timeout_s")
         check.integer("max_hung_tool_calls", at_least=0)
         check.require("chat_template", self.chat_template is None or isinstance(self.chat_template, str),
                       "a Jinja template string or None")

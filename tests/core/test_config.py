@@ -1,15 +1,18 @@
 import dataclasses
 import inspect
 import re
+import threading
 import warnings
 
 import pytest
+import torch
 import yaml
 from jsonargparse import ArgumentParser
 from omegaconf import OmegaConf
 
 from lightning_logra import LoGRAConfig
 from lightning_logra.core.config import DEFAULT_TARGET_MODULES, DEPRECATED_ALIASES, STRUCTURAL_FIELDS, saved_config
+from lightning_logra.core.validation import MAX_SEED, MAX_TIMEOUT_S
 
 
 def test_defaults_match_the_paper():
@@ -253,3 +256,20 @@ def test_an_integer_field_refuses_a_float(field):
 def test_a_switch_refuses_anything_but_true_or_false(field):
     with pytest.raises(ValueError, match=rf"LoGRAConfig\.{field} = 1 is invalid: must be true or false"):
         LoGRAConfig(**{field: 1})
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64])
+def test_a_seed_past_64_bits_is_refused_at_construction(seed):
+    with pytest.raises(ValueError, match=rf"LoGRAConfig\.seed = {seed} is invalid: must be an integer >= 0 and "
+                                         r"<= 2\*\*63 - 1"):
+        LoGRAConfig(seed=seed)
+    assert LoGRAConfig(seed=2**63 - 1).seed == 2**63 - 1
+
+
+def test_the_bounds_on_seeds_and_timeouts_fit_what_they_are_passed_to():
+    torch.Generator().manual_seed(MAX_SEED + 2**32)  # room for the offsets added to a seed
+    with pytest.raises(ValueError, match="Overflow"):
+        torch.Generator().manual_seed(2**64)
+    assert threading.Lock().acquire(timeout=MAX_TIMEOUT_S)  # what a timed wait on a thread comes down to
+    with pytest.raises(OverflowError):
+        threading.Lock().acquire(timeout=1e10)

@@ -396,3 +396,53 @@ def test_max_prompt_tokens_needs_a_tokenizer():
     with pytest.raises(ValueError, match=r"PromptDataModule\.max_prompt_tokens = 8 is invalid: must be None without "
                                          r"a tokenizer"):
         PromptDataModule(train="arithmetic", max_prompt_tokens=8)
+
+
+HUGE_INTEGER_LINE = '{"prompt": "Hi", "answer": ' + "9" * 5000 + "}"  # past Python's 4300-digit limit
+DEEP_NESTING_LINE = '{"prompt": "Hi", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}"  # past the recursion limit
+
+
+@pytest.mark.parametrize(("line", "reason"), [(HUGE_INTEGER_LINE, "integer string conversion"),
+                                              (DEEP_NESTING_LINE, "nested too deeply")],
+                         ids=["huge_integer", "deep_nesting"])
+def test_a_jsonl_line_json_cannot_read_is_named_or_skipped(tmp_path, line, reason):
+    path = write_jsonl(tmp_path / "train.jsonl", [json.dumps(GOOD_ROWS[0]), line, json.dumps(GOOD_ROWS[1])])
+    with pytest.raises(ValueError, match=rf"train.jsonl: line 2: invalid JSON \(.*{reason}"):
+        PromptDataModule(path).setup("fit")
+    data = PromptDataModule(path, skip_invalid_rows=True)
+    data.setup("fit")
+    assert data.skipped["train"]["invalid"] == 1 and len(data.datasets["train"]) == 2
+
+
+def test_a_json_file_json_cannot_read_names_the_file(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text("[" + HUGE_INTEGER_LINE + "]")
+    with pytest.raises(ValueError, match=r"rows.json: invalid JSON \(.*integer string conversion"):
+        read_rows(path)
+
+
+@pytest.mark.parametrize("column", ["prompt_text", "completions", "prompts", "completion_ids", "transcripts"])
+def test_a_column_with_a_name_already_in_use_is_refused_naming_field_map(tmp_path, column):
+    path = write_jsonl(tmp_path / "train.jsonl", [json.dumps(GOOD_ROWS[0]),
+                                                  json.dumps({**GOOD_ROWS[0], column: "mine"})])
+    with pytest.raises(ValueError, match=rf"train.jsonl: line 2 has a column '{column}', the name of .*field_map"):
+        PromptDataModule(path, skip_invalid_rows=True).setup("fit")
+    renamed = PromptDataModule(path, field_map={column: "source_" + column}, batch_size=2)
+    renamed.setup("fit")
+    assert sorted(map(str, next(iter(renamed.train_dataloader()))["source_" + column])) == ["None", "mine"]
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64])
+def test_a_seed_past_64_bits_is_refused_at_construction(seed):
+    with pytest.raises(ValueError, match=rf"PromptDataModule\.seed = {seed} is invalid: must be an integer >= 0 and "
+                                         r"<= 2\*\*63 - 1"):
+        PromptDataModule(train="arithmetic", seed=seed)
+
+
+def test_the_largest_seed_shuffles_every_epoch():
+    data = PromptDataModule("arithmetic", batch_size=4, train_size=8, seed=2**63 - 1)
+    data.setup("fit")
+    loader = data.train_dataloader()
+    for epoch in (0, 1, 2):  # the shuffle is seeded with seed + epoch
+        loader.sampler.set_epoch(epoch)
+        assert sum(len(batch["prompt_text"]) for batch in loader) == 8

@@ -14,6 +14,7 @@ from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.data import PromptDataModule
 from lightning_logra.modules import LossConfig, RolloutConfig
 from lightning_logra.rewards.runner import RewardWarning
+from tests.helpers.architectures import save_with_byte_tokenizer, tiny_opt
 from tests.helpers.grpo import SEEN, TableLogger, fit_grpo, grpo_module, rewards
 from tests.helpers.lightning import record_step_inputs
 from tests.helpers.models import favour_token
@@ -303,3 +304,11 @@ def test_measure_step_kl_logs_how_far_each_step_moved_the_policy(model_folder, m
 def test_step_kl_is_not_measured_unless_asked(model_folder):
     _, logged = fit_grpo(grpo_module(model_folder), model_folder, steps=1)
     assert "policy/step_kl" not in logged[0] and "perf/step_kl_s" not in logged[0]
+
+
+def test_packing_is_refused_at_the_start_of_fit_for_a_model_that_packs_wrongly(tmp_path):
+    folder = save_with_byte_tokenizer(tiny_opt(), tmp_path)
+    with pytest.raises(ValueError, match=r"OPTForCausalLM: packed log-probs differ .*unset micro_batch_tokens"):
+        fit_grpo(grpo_module(folder, micro_batch_tokens=64), folder, steps=1)
+    trainer, _ = fit_grpo(grpo_module(folder), folder, steps=1)  # padded micro-batches train it
+    assert trainer.global_step == 1

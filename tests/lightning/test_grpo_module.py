@@ -9,6 +9,7 @@ import torch
 
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.modules import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
+from lightning_logra.rewards.runner import RewardRunner
 from lightning_logra.rl.config import lr_factor
 from tests.helpers.grpo import grpo_module, prompt_data
 
@@ -168,6 +169,15 @@ def test_module_arguments_are_checked_like_config_fields(model_folder, argument,
     with pytest.raises(ValueError, match=rf"GRPOModule\.{argument} = {re.escape(repr(value))} is invalid: "
                                          rf"must be {re.escape(allowed)}"):
         grpo_module(model_folder, **{argument: value})
+
+
+def test_a_reward_timeout_past_a_day_is_refused_at_construction(model_folder):
+    # threading's waits raise OverflowError past threading.TIMEOUT_MAX, at the first batch.
+    with pytest.raises(ValueError, match=r"GRPOModule\.reward_timeout_s = 10000000000.0 is invalid: must be a finite "
+                                         r"number > 0 and <= 86400 \(24 h\)"):
+        grpo_module(model_folder, reward_timeout_s=1e10)
+    with pytest.raises(ValueError, match=r"timeout_s must be > 0 and <= 86400 \(24 h\), got 10000000000.0"):
+        RewardRunner(["tests.helpers.grpo:zero_reward"], timeout_s=1e10)
 
 
 def test_logprob_chunk_size_is_the_deprecated_name_of_logprob_chunk_positions(model_folder, no_alias_warned_yet):

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from lightning_logra.core.config import DEFAULT_TARGET_MODULES
-from lightning_logra.rl.config import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
+from lightning_logra.rl.config import LoRAConfig, LossConfig, MultiTurnConfig, OptimizerConfig, RolloutConfig
 
 NAN, INF = float("nan"), float("inf")
 
@@ -110,3 +110,10 @@ def test_a_value_outside_its_range_is_refused_naming_the_range():
 def test_settings_that_need_vllm_say_so():
     refuses(RolloutConfig, "'full' unless engine='vllm'", weight_sync="lowrank")
     RolloutConfig(engine="vllm", weight_sync="lowrank")
+
+
+def test_a_tool_timeout_past_a_day_is_refused():
+    # threading's waits raise OverflowError past threading.TIMEOUT_MAX, at the first tool call.
+    refuses(MultiTurnConfig, "a finite number > 0 and <= 86400 (24 h)", tool_timeout_s=1e10)
+    refuses(MultiTurnConfig, "a finite number > 0 and <= 86400 (24 h)", tool_timeout_s=86_400.5)
+    assert MultiTurnConfig(tool_timeout_s=86_400).tool_timeout_s == 86_400
