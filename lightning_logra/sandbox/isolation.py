@@ -4,6 +4,7 @@ namespaces, and a one-time probe that they work here.
 Needed: Linux on x86-64 or AArch64 (the seccomp filter knows their system calls), util-linux's
 ``unshare`` (new user, mount, PID, network, IPC and UTS namespaces: unprivileged user
 namespaces, or root) and ``setpriv`` (the parent-death signal, dropping capabilities);
+the C library's ``ldd`` (which libraries the program's filesystem must hold: ``view``);
 a pids cgroup (``cgroups``) where threads are to be bounded for a trainer run as root.
 The probe runs a small program (a thread, a file) through the real path once per
 process; where it fails the sandbox refuses to run, naming what is missing, unless the

@@ -7,23 +7,22 @@ process 1 of new user, mount, PID, network, IPC and UTS namespaces made by ``uns
 (or, opted out, without them); standard library only, imports nothing of the package.
 
 Process 1 moves itself into the run's pids cgroup when there is one, then (in the
-namespaces) mounts a tmpfs capped in bytes and in files over the working directory and
-copies the program and its files into it, and makes every other mount read-only, without
-device files (the kernel lets the namespace's root do so; fail closed: a step that fails
-ends the run before the program starts). It then forks the program: new limits
-(``setrlimit``), the seccomp filter it was given (``seccomp``: an allowlist), then
-``setpriv`` drops all capabilities, for good (``no_new_privs``), and executes the
-interpreter on the program. When the program exits, process 1 sends the program's report
-file (bounded, never through a link) down its report pipe and exits with the program's
-status (``128 + n`` for signal ``n``); the kernel kills whatever is left in the namespace,
-and the tmpfs goes with it.
+namespaces) builds the program's filesystem, a new read-only root holding only what the
+interpreter needs and the working directory, a tmpfs capped in bytes and in files with
+copies of the program and its files, and moves into it (``build_root``; the kernel lets
+the namespace's root do so; fail closed: a step that fails ends the run before the
+program starts). It then forks the program: new limits (``setrlimit``), the seccomp
+filter it was given (``seccomp``: an allowlist), then ``setpriv`` drops all capabilities,
+for good (``no_new_privs``), and executes the interpreter on the program. When the
+program exits, process 1 sends the program's report file (bounded, never through a link)
+down its report pipe and exits with the program's status (``128 + n`` for signal ``n``);
+the kernel kills whatever is left in the namespace, and the tmpfs goes with it.
 """
 
 import ctypes
 import json
 import os
 import platform
-import re
 import resource
 import stat
 import sys
@@ -37,6 +36,8 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 0x1, 0x2, 0x4, 
 # locked by the parent namespace); they equal their MS_* counterparts.
 KEPT_FLAGS = (os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC | os.ST_NOATIME | os.ST_NODIRATIME | os.ST_RELATIME)
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # system call numbers: the C library has no wrapper
+MNT_DETACH = 2
 
 
 def install_filter(libc, code: bytes) -> None:
@@ -62,42 +63,71 @@ def join_cgroup(cgroup: str) -> None:
         raise OSError(error.errno, f"joining the pids cgroup {cgroup}: {error.strerror}") from None
 
 
-def working_directory_on_tmpfs(libc, workdir: str, names: list[str], disk: dict) -> None:
-    """Mount a tmpfs of ``disk["bytes"]`` bytes and ``disk["files"]`` files and
-    directories over the working directory (it hides the host directory: the program's
-    files, however many, never reach the host's disk) and copy the given files into it."""
+def build_root(libc, settings: dict) -> None:
+    """Make the filesystem the program sees (``view`` in the package) and make it the root.
+
+    A tmpfs over the host working directory (the given files read first) becomes the new
+    root. In it: each path of ``view["binds"]`` bound at its own path, read-only, without
+    device files or set-user-ID programs; the links on the way to them; an empty read-only
+    tmpfs over each ``view["hidden"]`` directory (site-packages); a ``/proc`` for the new
+    PID namespace, read-only; and the working directory at its own path, a tmpfs of
+    ``disk["bytes"]`` bytes and ``disk["files"]`` files and directories holding copies of
+    the given files. The new root is then made read-only and ``pivot_root`` moves into it;
+    the old root is unmounted, so nothing of the host's files is left to reach (not through
+    ``/proc/<pid>/root`` either)."""
+    workdir, view = settings["workdir"], settings["view"]
     given = {}
-    for name in names:
+    for name in settings["files"]:
         with open(os.path.join(workdir, name), "rb") as file:
             given[name] = file.read()
+    root = workdir  # a mount point of our own, out of the way of every path below
+    _mount(libc, "tmpfs", root, MS_NOSUID | MS_NODEV | MS_NOEXEC, "tmpfs", "size=1m,mode=755")
+    for path, target in view["links"]:
+        os.makedirs(root + os.path.dirname(path), mode=0o755, exist_ok=True)
+        os.symlink(target, root + path)
+    for path in view["binds"]:
+        inside = root + path
+        if os.path.isdir(path):
+            os.makedirs(inside, mode=0o755, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(inside), mode=0o755, exist_ok=True)
+            os.close(os.open(inside, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644))
+        _mount(libc, path, inside, MS_BIND)
+        locked = os.statvfs(path).f_flag & KEPT_FLAGS  # the kernel refuses to drop these
+        _mount(libc, None, inside, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | locked)
+    for path in view["hidden"]:
+        _mount(libc, "tmpfs", root + path, MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "tmpfs", "size=4k,mode=555")
+    os.makedirs(root + "/proc", mode=0o555)
+    _mount(libc, "proc", root + "/proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "proc")
+    os.makedirs(root + workdir, mode=0o755, exist_ok=True)
+    working_directory_on_tmpfs(libc, root + workdir, given, settings["disk"])
+    _mount(libc, None, root, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.chdir(root)
+    # pivot_root(".", "."): the old root ends up over the new one, and is detached at once.
+    if libc.syscall(ctypes.c_long(PIVOT_ROOT[settings["machine"]]), b".", b".") != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"pivot_root into the new root: {os.strerror(error)}")
+    if libc.umount2(b".", MNT_DETACH) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"unmounting the old root: {os.strerror(error)}")
+    os.chdir("/")
+
+
+def working_directory_on_tmpfs(libc, path: str, given: dict[str, bytes], disk: dict) -> None:
+    """Mount a tmpfs of ``disk["bytes"]`` bytes and ``disk["files"]`` files and
+    directories at ``path`` (the program's files, however many, never reach the host's
+    disk) and write the given files into it."""
     options = f"size={disk['bytes']},nr_inodes={disk['files'] + 1},mode=700"  # + 1: its root
-    _mount(libc, "tmpfs", workdir, MS_NOSUID | MS_NODEV | MS_NOEXEC, "tmpfs", options)
+    _mount(libc, "tmpfs", path, MS_NOSUID | MS_NODEV | MS_NOEXEC, "tmpfs", options)
     for name, content in given.items():
         try:
-            descriptor = os.open(os.path.join(workdir, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+            descriptor = os.open(os.path.join(path, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
                                  0o600)
             with os.fdopen(descriptor, "wb") as file:
                 file.write(content)
         except OSError as error:
             raise OSError(error.errno, f"copying {name!r} into the working directory (max_disk_bytes "
                                        f"{disk['bytes']}, max_files {disk['files']}): {error.strerror}") from None
-
-
-def read_only_everywhere_but(libc, workdir: str) -> None:
-    """Remount every mount but the working directory's tmpfs read-only, ``/proc`` and
-    ``/sys`` included (where the trainer runs as root, the program's user is root's owner
-    of their files: of the host's sysctls and cgroups), with no device files (``nodev``:
-    an owner's write to a device node, a disk, is no file write that read-only stops) and
-    no set-user-ID programs."""
-    with open("/proc/self/mountinfo", encoding="utf-8") as mountinfo:
-        # mountinfo writes a space, tab, newline or backslash in a path as an octal escape.
-        points = {re.sub(r"\\([0-7]{3})", lambda code: chr(int(code[1], 8)), line.split()[4]) for line in mountinfo}
-    for point in sorted(points - {workdir}):
-        try:
-            flags = os.statvfs(point).f_flag & KEPT_FLAGS
-        except (FileNotFoundError, PermissionError):
-            continue  # out of reach (removed, or under a directory not even process 1 may enter): so for the program
-        _mount(libc, None, point, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | flags)
 
 
 def _mount(libc, source: str | None, target: str, flags: int, fstype: str | None = None,
@@ -152,8 +182,7 @@ def main() -> int:
         if settings["cgroup"] is not None:
             join_cgroup(settings["cgroup"])
         if settings["namespaces"]:
-            working_directory_on_tmpfs(libc, settings["workdir"], settings["files"], settings["disk"])
-            read_only_everywhere_but(libc, settings["workdir"])
+            build_root(libc, settings)
         workdir = os.open(settings["workdir"], os.O_RDONLY | os.O_DIRECTORY)  # not inherited by the program
     except OSError as error:
         print(SETUP_MESSAGE + str(error), file=sys.stderr, flush=True)

@@ -2,8 +2,9 @@
 
 The program runs in a fresh interpreter (``-I -S``: no site-packages, no environment
 variables read, no user directories), never in the calling process, started as its own
-session in new namespaces (see ``isolation`` and ``launcher``) in a working directory of
-its own (a capped tmpfs over a new temporary directory, which is removed afterwards), with
+session in new namespaces (see ``isolation`` and ``launcher``), seeing only the files
+``view`` lists, in a working directory of its own (a capped tmpfs at the path of a new
+temporary directory, which is removed afterwards), with
 a fixed environment (``PATH``, ``LANG``, ``HOME`` and ``TMPDIR`` the working directory:
 none of the caller's variables). Its stdout and stderr are read together up to
 ``max_output_bytes``, the rest read and discarded; its report comes back on a pipe of its
@@ -27,7 +28,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lightning_logra.sandbox import cgroups, isolation, launcher, seccomp, workdir
+from lightning_logra.sandbox import cgroups, isolation, launcher, seccomp, view, workdir
 from lightning_logra.sandbox.isolation import SandboxUnavailable, SandboxWarning
 from lightning_logra.sandbox.limits import SandboxLimits
 
@@ -90,8 +91,8 @@ def run_python(program: str, limits: SandboxLimits | None = None, files: dict[st
     if problem is not None:
         if not limits.allow_unisolated:
             raise SandboxUnavailable(
-                f"{problem}. The sandbox does not run untrusted code without its namespaces (no network, read-only "
-                "filesystem, own process tree); fix that, or pass SandboxLimits(allow_unisolated=True) to run "
+                f"{problem}. The sandbox does not run untrusted code without its namespaces (no network, no view of "
+                "the host's files, own process tree); fix that, or pass SandboxLimits(allow_unisolated=True) to run "
                 "programs with network and filesystem access")
         _warn_unisolated(problem)
     unbounded = threads_problem(namespaces=problem is None)
@@ -178,6 +179,7 @@ def _run(program: str, limits: SandboxLimits, files: dict[str, str], *, namespac
             "drop_capabilities": namespaces or os.geteuid() == 0, "rlimits": _rlimits(limits, namespaces),
             "seccomp_filter": seccomp.filter_program(machine).hex(), "cgroup": cgroup and str(cgroup),
             "disk": {"bytes": limits.max_disk_bytes, "files": limits.max_files},
+            "view": view.filesystem(isolation.interpreter(), setpriv) if namespaces else None,
             "report_pipe": report_end, "report_file": REPORT_FILE, "report_bytes": limits.max_output_bytes,
         }
         started = time.monotonic()
