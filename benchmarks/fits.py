@@ -89,7 +89,7 @@ def build_model(shape: dict, *, meta: bool = False):
 def predict(case: dict, method: str):
     """``step_memory`` of ``case``'s step under ``method``, for a CPU process (float32)."""
     from lightning_logra import LoGRAConfig
-    from lightning_logra.core.step_memory import StepSettings, step_memory
+    from lightning_logra.planning.step_memory import StepSettings, step_memory
 
     row_tokens = case["prompt"] + case["completion"]
     settings = StepSettings(method=method, tokens=case["micro_batch_size"] * row_tokens, row_tokens=row_tokens,
@@ -238,7 +238,7 @@ def table(shapes: dict[str, dict]) -> list[dict]:
     import torch
 
     from lightning_logra import LoGRAConfig
-    from lightning_logra.core.step_memory import StepSettings, step_memory
+    from lightning_logra.planning.step_memory import StepSettings, step_memory
 
     rows = []
     for name, shape in shapes.items():

@@ -1,6 +1,6 @@
 """What ``quality_matched`` reports: per task, the gains with intervals, the paired
 differences, steps and seconds to the threshold (``summarise``), as Markdown (``render``)
-and curves with seed bands (``plot``). The protocol and its settings are ``quality_matched``'s."""
+and curves with seed bands (``plot``). The protocol and its settings are ``quality_matched_protocol``'s."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 from .harness import cpu_caption, machine_line, pyplot, save_figure
 from .paired_stats import bootstrap_interval, first_reaching, median_or_none, seed_mean
-from .quality_matched import (ABLATION_PAIRS, ABLATIONS, METHODS, PAIRS, SEEDS, SELECTION_SEED, TARGETS, TASKS,
-                              VAL_SAMPLES, VAL_SIZE, per_prompt_final, reported)
+from .quality_matched_protocol import (ABLATION_PAIRS, ABLATIONS, METHODS, PAIRS, SEEDS, SELECTION_SEED, TARGETS,
+                                       TASKS, VAL_SAMPLES, VAL_SIZE, per_prompt_final, reported)
 
 
 def summarise(result: dict, task: str) -> dict:

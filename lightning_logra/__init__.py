@@ -2,7 +2,8 @@
 
 The algorithm is plain torch in ``lightning_logra.core``; the RL step's plain-torch pieces
 are in ``lightning_logra.rl``; ``lightning_logra.hooks`` is the typed contract between a
-LightningModule and the strategy. Importing the package registers the ``logra_fsdp``
+LightningModule and the strategy; ``lightning_logra.planning`` predicts a whole step's
+memory. Importing the package registers the ``logra_fsdp``
 strategy name with Lightning's Trainer and Fabric.
 """
 
@@ -12,9 +13,7 @@ from lightning_logra.core import (
     LoGRAOptimizer,
     MemoryReport,
     ProbeBatch,
-    StepMemory,
     StepReport,
-    StepSettings,
     install_sketches,
     kl_step_scale,
     make_projection,
@@ -25,9 +24,9 @@ from lightning_logra.core import (
     remove_sketches,
     row_adam_direction,
     scheduled_budget,
-    step_memory,
 )
 from lightning_logra.hooks import LoGRAModuleHooks, LoGRAStepInputs
+from lightning_logra.planning import StepMemory, StepSettings, step_memory
 from lightning_logra.strategies import LoGRAFabricStrategy, LoGRAFSDPStrategy  # registers "logra_fsdp"
 from lightning_logra.callbacks import LoGRACallback  # isort: skip
 

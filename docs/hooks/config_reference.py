@@ -56,7 +56,7 @@ SECTIONS = (
     Section("lightning_logra.modules.grpo:GRPOModule",
             "YAML `model.init_args` (`class_path: lightning_logra.modules.GRPOModule`); Python `GRPOModule(...)`"),
     Section("lightning_logra.rl.config:LossConfig", "YAML `model.init_args.loss`; Python `GRPOModule(loss=LossConfig(...))`"),
-    Section("lightning_logra.rl.config:RolloutConfig",
+    Section("lightning_logra.rollout.config:RolloutConfig",
             "YAML `model.init_args.rollout`; Python `GRPOModule(rollout=RolloutConfig(...))`"),
     Section("lightning_logra.rl.config:OptimizerConfig",
             "YAML `model.init_args.optimizer`; Python `GRPOModule(optimizer=OptimizerConfig(...))`"),

@@ -6,8 +6,8 @@ S = dY^T (X A^T)), ``sharded_accumulation`` and ``layout`` (how rows are split a
 ``row_adam``, ``kl`` (Fisher form, budget schedule, mismatch EMA, controller), ``probe`` and
 ``probe_modules`` (the forward-mode KL prediction), ``update`` and ``lowrank`` (W -= alpha D A),
 ``optimizer`` (the whole update in one call), ``report`` (what a step did), ``memory`` (what
-LoGRA holds per rank), ``step_memory`` (what a whole RL step holds per rank, for every method)
-and ``reliability`` (guards against silent failure).
+LoGRA holds per rank) and ``reliability`` (guards against silent failure). What a whole RL
+step holds per rank, for every method, is ``lightning_logra.planning``'s.
 """
 
 from lightning_logra.core.config import LoGRAConfig
@@ -17,7 +17,6 @@ from lightning_logra.core.optimizer import LoGRAOptimizer
 from lightning_logra.core.probe import ProbeBatch, probe_predicted_kl
 from lightning_logra.core.projection import make_projection, projection_seed
 from lightning_logra.core.report import StepReport
-from lightning_logra.core.step_memory import StepMemory, StepSettings, step_memory
 from lightning_logra.core.row_adam import row_adam_direction
 from lightning_logra.core.sketch import install_sketches, remove_sketches
 
@@ -27,9 +26,7 @@ __all__ = [
     "LoGRAOptimizer",
     "MemoryReport",
     "ProbeBatch",
-    "StepMemory",
     "StepReport",
-    "StepSettings",
     "install_sketches",
     "kl_step_scale",
     "make_projection",
@@ -40,5 +37,4 @@ __all__ = [
     "remove_sketches",
     "row_adam_direction",
     "scheduled_budget",
-    "step_memory",
 ]

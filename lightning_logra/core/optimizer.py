@@ -14,6 +14,7 @@ sharded on dim 0; each rank then updates only its own rows.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -61,9 +62,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     Constructing it installs the sketches and, as in the paper, freezes every non-target
     parameter (``freeze_non_targets=False`` leaves them to another optimizer). The single
     param group's ``lr`` is the update ratio. State (row moments, counters, the KL
-    controller's mismatch EMA) is saved by ``state_dict`` as tensors only. A
-    ``config.rank`` of ``"auto"`` is resolved in place against the model's targets, so after
-    construction ``config.rank`` (and the configuration checkpoints hold) is the int in use.
+    controller's mismatch EMA) is saved by ``state_dict`` as tensors only. The optimizer
+    keeps its own copy of ``config``, the caller's is never changed: a ``rank`` of
+    ``"auto"`` is resolved in the copy against the model's targets, so ``self.config.rank``
+    (and the configuration checkpoints hold) is the int in use.
     """
 
     def __init__(
@@ -76,10 +78,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     ) -> None:
         config = config or LoGRAConfig()
         sketches = install_sketches(model, config, compute_dtype=compute_dtype)
-        if config.rank == AUTO_RANK:
-            # Resolved in place: from here on config.rank is the int in use, which is what
-            # state_dict() stores and check_state() compares (a structural field).
-            config.rank = sketches.rank
+        # A copy, so one config can serve several models; with rank "auto" resolved, the
+        # int in use is what state_dict() stores and check_state() compares (a structural field).
+        config = dataclasses.replace(config, rank=sketches.rank if config.rank == AUTO_RANK else config.rank,
+                                     target_modules=list(config.target_modules))
         if freeze_non_targets:
             for parameter in model.parameters():
                 parameter.requires_grad_(False)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_logra.core.validation import FieldChecks
-from lightning_logra.rl.config import LoRAConfig, LossConfig, RolloutConfig
+from lightning_logra.rl.config import LoRAConfig, LossConfig
+from lightning_logra.rollout.config import RolloutConfig
 
 
 def check_arguments(loss: LossConfig, rollout: RolloutConfig, lora: LoRAConfig | None, values: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ from lightning_logra.hooks import LoGRAStepInputs
 from lightning_logra.models import build_model, load_tokenizer, model_source, with_lora
 from lightning_logra.modules.arguments import check_arguments
 from lightning_logra.modules.completions import completion_table, log_completion_table
+from lightning_logra.modules.engines import step_low_rank_updates, sync_engine
 from lightning_logra.modules.multi_turn import build_multi_turn, prompt_conversations
 from lightning_logra.modules.prompt_checks import (
     check_answer_column,
@@ -35,7 +36,8 @@ from lightning_logra.modules.prompt_checks import (
 )
 from lightning_logra.rewards.runner import RewardRunner, RewardScores
 from lightning_logra.rollout.base import RolloutEngine, Rollouts
-from lightning_logra.rollout.engines import build_engine, step_low_rank_updates, sync_engine
+from lightning_logra.rollout.config import RolloutConfig
+from lightning_logra.rollout.engines import build_engine
 from lightning_logra.rl.batch import (
     BACKWARD_HINT,
     MicroBatching,
@@ -46,7 +48,7 @@ from lightning_logra.rl.batch import (
     step_kl_terms,
 )
 from lightning_logra.rl.collectives import any_rank, gather_objects, gather_ranks
-from lightning_logra.rl.config import LoRAConfig, LossConfig, MultiTurnConfig, OptimizerConfig, RolloutConfig, lr_factor
+from lightning_logra.rl.config import LoRAConfig, LossConfig, MultiTurnConfig, OptimizerConfig, lr_factor
 from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE
 from lightning_logra.rl.losses import NonFiniteRewards, RunningBaseline, group_advantages
 from lightning_logra.rl.metrics import PassTotals, PhaseClock, step_metrics

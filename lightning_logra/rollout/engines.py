@@ -1,13 +1,13 @@
-"""The rollout engine a ``RolloutConfig`` names, built around a policy that the strategy
-has already placed (vLLM is imported only when asked for)."""
+"""The rollout engine a ``RolloutConfig`` names, built around a policy already on its
+device (vLLM is imported only when asked for). Keeping it in sync with training is the
+module's job (``modules/engines.py``)."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from lightning_logra.hooks import last_step_report
-from lightning_logra.rl.config import RolloutConfig
 from lightning_logra.rollout.base import RolloutEngine
+from lightning_logra.rollout.config import RolloutConfig
 
 
 def build_engine(config: RolloutConfig, policy: nn.Module, tokenizer, *, seed: int) -> RolloutEngine:
@@ -28,27 +28,3 @@ def build_engine(config: RolloutConfig, policy: nn.Module, tokenizer, *, seed: i
 
     return HFRolloutEngine(policy, tokenizer, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                            top_p=config.top_p, top_k=config.top_k)
-
-
-def step_low_rank_updates(trainer) -> list:
-    """The low-rank form of the LoGRA update that just ran (``[]`` when it was skipped), from
-    its ``StepReport``, for the next weight sync."""
-    report = last_step_report(trainer)
-    if report is None:
-        raise ValueError("rollout.weight_sync='lowrank' needs every optimizer step to be a LoGRA update "
-                         f"(strategy logra_fsdp); this run's strategy is {type(trainer.strategy).__name__}")
-    return list(report.low_rank_updates or [])
-
-
-def sync_engine(engine: RolloutEngine, policy: nn.Module, config: RolloutConfig, updates: int,
-                received: list[list]) -> None:
-    """Bring the rollout engine to the trained weights: in full, or with ``weight_sync:
-    lowrank`` by the ``received`` LoGRA updates of this step's ``updates`` optimizer steps
-    (every one must have reached us)."""
-    if config.weight_sync != "lowrank":
-        engine.sync_weights(policy)
-        return
-    if len(received) != updates:
-        raise ValueError(f"rollout.weight_sync='lowrank' needs every optimizer step to be a LoGRA update "
-                         f"(strategy logra_fsdp); {updates} steps ran, {len(received)} reported one")
-    engine.sync_weights(policy, low_rank_updates=[u for step in received for u in step])

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from benchmarks import quality_matched as qm
+from benchmarks import quality_matched_protocol as qm_protocol
 from benchmarks.quality_matched_report import render, summarise
 
 PROMPTS = [f"prompt {i}" for i in range(8)]
@@ -57,7 +58,7 @@ def test_a_part_sweeps_on_the_selection_seed_extends_an_edge_and_matches_dense_s
     assert trained == [("dense", 3e-6, 100), ("dense", 1e-5, 100), ("dense", 3e-5, 100), ("dense", 9e-5, 100),
                        ("logra_matched", 6e-6, 0)]
     # The budget is the median step KL of dense's best selection run: median(3e-6, 9e-6) = 6e-6.
-    assert qm.matched_budget(result, "arithmetic") == 6e-6
+    assert qm_protocol.matched_budget(result, "arithmetic") == 6e-6
     assert result["notes"] == ["arithmetic: dense's best lr=3e-05 at the edge of its sweep; extended to lr=9e-05"]
     assert ("untrained", 100) in runs.calls and ("untrained", 0) in runs.calls
     saved = json.loads((tmp_path / "quality_matched.json").read_text())
@@ -118,14 +119,14 @@ def test_a_resumed_part_does_not_extend_a_sweep_again(tmp_path):
     plan.part(["dense"], [])
     plan.part(["dense"], [])
     assert [call for call in runs.calls if call[0] == "dense"] == [("dense", v, 100) for v in (3e-6, 1e-5, 3e-5, 9e-5)]
-    assert qm.selected_value(result, "arithmetic", "dense") == 9e-5
+    assert qm_protocol.selected_value(result, "arithmetic", "dense") == 9e-5
 
 
 def test_ablations_run_at_the_rows_they_change_one_thing_of_and_are_reported_as_a_diagnosis(tmp_path):
     runs = FakeRuns({**FINALS, ("dense_no_momentum", 3e-5): 0.5, ("logra_probe8", 6e-6): 0.5})
     result, plan = protocol(tmp_path, runs)
     plan.part(["dense", "logra_matched", "dense_no_momentum", "logra_probe8"], [0])
-    reported_runs = [call for call in runs.calls if call[0] != "untrained" and call[2] != qm.SELECTION_SEED]
+    reported_runs = [call for call in runs.calls if call[0] != "untrained" and call[2] != qm_protocol.SELECTION_SEED]
     # No LoGRA sweep: the probe ablation runs at the KL-matched budget, momentum's at dense's lr.
     assert not [call for call in runs.calls if call[0] == "logra"]
     assert reported_runs == [

@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_logra import LoGRAConfig, LoGRAOptimizer
 from lightning_logra.core.config import DEPRECATED_ALIASES
-from tests.helpers.core import MLP_TARGETS, token_batches, token_mlp_and_optimizer, token_mlp_train_step, weights
+from tests.helpers.core import MLP_TARGETS, TokenMlp, token_batches, token_mlp_and_optimizer, token_mlp_train_step, weights
 
 
 def test_construction_freezes_everything_and_tracks_the_targets():
@@ -17,6 +17,15 @@ def test_construction_freezes_everything_and_tracks_the_targets():
     assert [state.name for state in optimizer.sketches] == MLP_TARGETS
     assert optimizer.param_groups[0]["params"] == [model.up_proj.weight, model.down_proj.weight]
     assert optimizer.param_groups[0]["lr"] == 6e-5
+
+
+def test_the_optimizer_keeps_a_private_copy_of_its_config():
+    config = LoGRAConfig(rank=4, target_modules=list(MLP_TARGETS))
+    optimizer = LoGRAOptimizer(TokenMlp(), config)
+    config.update_ratio = 0.5
+    config.target_modules.append("gate_proj")
+    assert optimizer.config.update_ratio != 0.5
+    assert optimizer.config.target_modules == MLP_TARGETS
 
 
 def test_proposed_update_has_norm_update_ratio_times_weight_norm():

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_logra import LoGRAConfig, LoGRAOptimizer, install_sketches
 from lightning_logra.core.projection import (
@@ -70,12 +71,22 @@ def test_auto_follows_the_targets_that_are_trained():
     assert install_sketches(tiny_qwen2(), config).rank == 16
 
 
-def test_optimizer_writes_the_resolved_rank_into_its_config_and_checkpoint():
+def test_optimizer_resolves_the_rank_in_its_own_config_and_checkpoint_leaving_the_callers_unchanged():
     config = LoGRAConfig(rank="auto")
     optimizer = LoGRAOptimizer(tiny_qwen2(), config)
-    assert optimizer.config is config and config.rank == 4
+    assert config.rank == "auto"
+    assert optimizer.config.rank == 4
     saved = json.loads(bytes(optimizer.state_dict()["config"].tolist()).decode())
     assert saved["rank"] == 4
+
+
+def test_one_auto_config_serves_two_models_of_different_widths():
+    config = LoGRAConfig(rank="auto", target_modules=["up_proj"])
+    narrow = LoGRAOptimizer(tiny_qwen2(), config)  # inputs 32 wide: 32 / 4 = 8 -> 4
+    wide_model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=4, num_key_value_heads=2))
+    wide = LoGRAOptimizer(wide_model, config)  # inputs 128 wide: 128 / 4 = 32 -> 16
+    assert (narrow.config.rank, wide.config.rank) == (4, 16)
 
 
 @pytest.mark.parametrize("rank", ["auto", 4])

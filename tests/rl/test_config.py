@@ -7,7 +7,8 @@ import re
 import pytest
 
 from lightning_logra.core.config import DEFAULT_TARGET_MODULES
-from lightning_logra.rl.config import LoRAConfig, LossConfig, MultiTurnConfig, OptimizerConfig, RolloutConfig
+from lightning_logra.rl.config import LoRAConfig, LossConfig, MultiTurnConfig, OptimizerConfig
+from lightning_logra.rollout.config import RolloutConfig
 
 NAN, INF = float("nan"), float("inf")
 

@@ -12,7 +12,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_logra import LoGRAConfig, memory_report
 from lightning_logra.core.layout import rows_per_rank
-from lightning_logra.core.step_memory import StepSettings, decoder_shape, layer_activation_bytes, step_memory
+from lightning_logra.planning.step_memory import StepSettings, decoder_shape, layer_activation_bytes, step_memory
 from lightning_logra.models import with_lora
 from lightning_logra.rl.config import LoRAConfig
 

@@ -1,6 +1,6 @@
 """Bytes per rank of one whole RL training step, by part, from the model's shapes alone.
 
-``memory_report`` counts LoGRA's own state; this adds everything else a step holds on one
+``memory_report`` (core) counts LoGRA's own state; this adds everything else a step holds on one
 rank (GPU, or a CPU process), for dense AdamW, LoRA and LoGRA alike: the sharded float32
 weights and what FSDP2 gathers, gradients, optimizer state, autocast's cached weight casts,
 the activations of one micro-batch of ``tokens`` tokens (under activation checkpointing or
@@ -34,11 +34,10 @@ from lightning_logra.core.layout import rows_per_rank
 from lightning_logra.core.memory import memory_report
 from lightning_logra.core.projected_input import projection_groups
 from lightning_logra.core.sketch import find_targets
+from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE
 
 METHODS = ("dense", "lora", "logra")
 FLOAT32 = 4
-# The library's log-prob chunk (rl.logprobs.DEFAULT_CHUNK_SIZE; core does not import rl).
-LOGPROB_CHUNK = 256
 # A checkpointed log-prob chunk, recomputed in backward: its logits, their float32 copy,
 # log_softmax's saved output and the gradient flowing back through them.
 LOGIT_COPIES = 4
@@ -67,7 +66,7 @@ class StepSettings:
     masked: bool = True
     compute_dtype: torch.dtype = torch.float32
     activation_checkpointing: bool = True
-    logprob_chunk: int = LOGPROB_CHUNK
+    logprob_chunk: int = DEFAULT_CHUNK_SIZE
     lora_rank: int = 256
     logra: LoGRAConfig | None = None
     reference: bool = False
