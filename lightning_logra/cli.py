@@ -1,8 +1,8 @@
 """The ``logra`` command: LightningCLI (fit/validate, YAML configs, OmegaConf
 interpolation) with LoGRA's strategy registered, MLflow tracking wired in, our progress bar
-and model summary added unless the Trainer's flags turn them off, and
-``logra export`` (a checkpoint to a Hugging Face folder), parsed apart from the
-LightningCLI, which knows only Trainer methods as subcommands."""
+and model summary added unless the Trainer's flags turn them off, a checkpoint on
+preemption, and ``logra export`` (a checkpoint to a Hugging Face folder), parsed apart
+from the LightningCLI, which knows only Trainer methods as subcommands."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 import lightning_logra  # noqa: F401  (registers the "logra_fsdp" strategy name)
+from lightning_logra.callbacks import PreemptionCheckpoint
 from lightning_logra.notices import quiet_lightning_console, quiet_lightning_pytree_notice
-from lightning_logra.strategies.atomic import recover_folder
-from lightning_logra.strategies.trainer import checkpoint_folders
+from lightning_logra.strategies.trainer import claim_checkpoint_folders
 
 MLFLOW_LOGGER = "lightning.pytorch.loggers.MLFlowLogger"
 EXPORT_HELP = ("logra export --ckpt_path PATH --out DIR: write a checkpoint's policy as a Hugging Face folder "
@@ -121,17 +121,19 @@ def _new_params(logger: MLFlowLogger, params: dict[str, str]) -> dict[str, str]:
     return {key: value for key, value in params.items() if key not in logged}
 
 
-# (Trainer flag, the kind of callback it switches, what the CLI adds when none is listed)
+# (Trainer flag or None for always, the kind of callback, what the CLI adds when none is listed)
 DEFAULT_CALLBACKS = (
     ("enable_progress_bar", ProgressBar, "lightning_logra.callbacks.StepProgressBar"),
     ("enable_model_summary", ModelSummary, "lightning_logra.callbacks.LoGRAModelSummary"),
+    (None, PreemptionCheckpoint, "lightning_logra.callbacks.PreemptionCheckpoint"),
 )
 
 
 class LoGRACLI(LightningCLI):
     """LightningCLI with MLflow's default store, and our progress bar and model summary
     added when the Trainer's flags leave them on and no config lists one of their kind
-    (so ``--trainer.enable_progress_bar=false`` works with every config)."""
+    (so ``--trainer.enable_progress_bar=false`` works with every config), and a
+    PreemptionCheckpoint unless one is listed."""
 
     @override
     def before_instantiate_classes(self) -> None:
@@ -146,19 +148,18 @@ class LoGRACLI(LightningCLI):
         callbacks = _as_list(trainer.get("callbacks"))
         listed = [_import(_class_path(callback)) for callback in callbacks if _class_path(callback)]
         for flag, kind, class_path in DEFAULT_CALLBACKS:
-            if trainer.get(flag) is not False and not any(isinstance(c, type) and issubclass(c, kind) for c in listed):
+            wanted = flag is None or trainer.get(flag) is not False
+            if wanted and not any(isinstance(c, type) and issubclass(c, kind) for c in listed):
                 callbacks.append(Namespace(class_path=class_path, init_args=Namespace()))
         if callbacks:
             trainer["callbacks"] = callbacks
 
     @override
     def before_fit(self) -> None:
-        """Lightning resolves ``--ckpt_path=last`` and SLURM's ``hpc_ckpt_*`` before the
-        strategy's setup, so what a crash left mid-save is put back first (global rank 0;
-        processes Lightning launches start after it)."""
-        if self.trainer.global_rank == 0:
-            for folder in checkpoint_folders(self.trainer):
-                recover_folder(folder)
+        """Lightning resolves ``--ckpt_path=last`` and ``hpc`` before the strategy's setup, so
+        the run's checkpoint folders are locked and what a crash left mid-save is put back
+        first (global rank 0; processes Lightning launches start after it)."""
+        claim_checkpoint_folders(self.trainer)
 
 
 def _as_list(value: Any) -> list[Any]:

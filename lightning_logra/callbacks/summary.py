@@ -6,8 +6,10 @@ import time
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from lightning_logra.callbacks.preemption import EXIT_STATUS, Preempted
 from lightning_logra.core.memory import peak_memory_mib
 
 GIB = 2**30
@@ -15,12 +17,15 @@ GIB = 2**30
 
 class RunSummary(Callback):
     """Prints reward before/after (mean of the first and last ``window`` steps), the last
-    validation scores, peak memory, and LoGRA's state beside its dense-AdamW equivalent."""
+    validation scores, peak memory, and LoGRA's state beside its dense-AdamW equivalent,
+    at the end of fit, and when a SIGTERM stops the run (with the checkpoint that
+    ``PreemptionCheckpoint`` saved, if any)."""
 
     def __init__(self, window: int = 3) -> None:
         self.window = window
         self.rewards: list[float] = []
         self._started = 0.0
+        self._recorded_step: int | None = None
 
     @override
     def on_train_start(self, trainer, pl_module) -> None:
@@ -28,13 +33,33 @@ class RunSummary(Callback):
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._record_reward(trainer)
+
+    def _record_reward(self, trainer) -> None:
+        """Once per step: a stop may come before this callback's turn in the last step."""
         reward = trainer.callback_metrics.get("reward/mean")
-        if reward is not None:
+        if reward is not None and trainer.global_step != self._recorded_step:
             self.rewards.append(float(reward))
+            self._recorded_step = trainer.global_step
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:
         rank_zero_info(self.render(trainer))
+
+    @override
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if not isinstance(exception, SIGTERMException):
+            return  # an error: its traceback is the answer
+        if trainer.training:
+            self._record_reward(trainer)
+        if isinstance(exception, Preempted):
+            stop = (f"  stopped by {exception.signal_name} after step {exception.step}: "
+                    f"checkpoint {exception.checkpoint} "
+                    f"(resume with --ckpt_path=hpc, or trainer.fit(..., ckpt_path=\"hpc\"); exit status {EXIT_STATUS})")
+        else:
+            stop = (f"  stopped by SIGTERM at step {trainer.global_step}, without a checkpoint "
+                    "(lightning_logra.callbacks.PreemptionCheckpoint saves one)")
+        rank_zero_info(self.render(trainer) + "\n" + stop)
 
     def render(self, trainer) -> str:
         metrics = trainer.callback_metrics

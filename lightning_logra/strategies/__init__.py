@@ -6,7 +6,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_logra.strategies.fabric import LoGRAFabricStrategy
 from lightning_logra.strategies.logra_state import convert_legacy_state
-from lightning_logra.strategies.trainer import LoGRAFSDPStrategy
+from lightning_logra.strategies.trainer import LoGRAFSDPStrategy, claim_checkpoint_folders
 
 STRATEGY_NAME = "logra_fsdp"
 _DESCRIPTION = "FSDP2 data parallelism (none on one device) with LoGRA sketched-gradient updates"
@@ -16,4 +16,5 @@ if STRATEGY_NAME not in StrategyRegistry:
 if STRATEGY_NAME not in FABRIC_STRATEGY_REGISTRY:
     FABRIC_STRATEGY_REGISTRY.register(STRATEGY_NAME, LoGRAFabricStrategy, description=_DESCRIPTION)
 
-__all__ = ["STRATEGY_NAME", "LoGRAFSDPStrategy", "LoGRAFabricStrategy", "convert_legacy_state"]
+__all__ = ["STRATEGY_NAME", "LoGRAFSDPStrategy", "LoGRAFabricStrategy", "claim_checkpoint_folders",
+           "convert_legacy_state"]

@@ -14,8 +14,8 @@ that no temporary name matches Lightning's ``hpc_ckpt_*`` or ``last*.ckpt`` patt
 5. ``.logra-old-<hash>`` is deleted.
 
 A checkpoint being removed is renamed ``.logra-removed-<hash>`` first, so a crash while
-deleting never leaves a half-deleted folder under a checkpoint's name. One writer per
-folder: ``.logra-writer.lock`` holds the owner's pid and host.
+deleting never leaves a half-deleted folder under a checkpoint's name. Every step here
+runs under the folder's writer lock (``writer_lock``): one run writes and recovers a folder.
 """
 
 from __future__ import annotations
@@ -24,11 +24,9 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 
 COMPLETE_MARKER = "logra-complete.json"
-LOCK_NAME = ".logra-writer.lock"
 PARTIAL_PREFIX = ".logra-partial-"
 OLD_PREFIX = ".logra-old-"
 REMOVED_PREFIX = ".logra-removed-"
@@ -123,66 +121,6 @@ def recover_folder(folder: Path) -> list[Path]:
         elif leftover.name.endswith(LEGACY_SUFFIXES) and (leftover / "logra").is_dir():
             _refuse_legacy_leftovers(leftover.with_name(leftover.name.rsplit(".", 1)[0]))
     return restored
-
-
-class WriterLock:
-    """``.logra-writer.lock`` in a checkpoint folder, created exclusively by the first save
-    and holding the owner's pid and host. A lock left by a process that is no longer
-    running on this host is taken over; one held by a live process or by another host is
-    refused."""
-
-    def __init__(self, folder: Path) -> None:
-        self.path = Path(folder) / LOCK_NAME
-        self.owner = {"pid": os.getpid(), "host": socket.gethostname()}
-
-    def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            try:
-                descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._holder()
-                if holder is None:  # released meanwhile
-                    continue
-                if holder == self.owner:
-                    return
-                if not self._is_stale(holder):
-                    raise RuntimeError(
-                        f"another run writes checkpoints into {self.path.parent}: {self.path} is held by pid "
-                        f"{holder.get('pid')} on {holder.get('host')!r}; give this run another checkpoint folder, "
-                        "or delete the lock if that run is gone"
-                    ) from None
-                self.path.unlink(missing_ok=True)  # stale: its owner died on this host
-                continue
-            with os.fdopen(descriptor, "w") as lock:
-                json.dump(self.owner, lock)
-            return
-
-    def release(self) -> None:
-        if self._holder() == self.owner:
-            self.path.unlink(missing_ok=True)
-
-    def _holder(self) -> dict | None:
-        """The lock's owner, None once it is gone; an unreadable lock (its owner is writing
-        it, or died doing so) counts as held."""
-        try:
-            holder = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return None
-        except ValueError:
-            return {"pid": "unknown", "host": "unknown (unreadable lock)"}
-        return holder if isinstance(holder, dict) else {"pid": "unknown", "host": "unknown (unreadable lock)"}
-
-    def _is_stale(self, holder: dict) -> bool:
-        if holder.get("host") != self.owner["host"] or not isinstance(holder.get("pid"), int):
-            return False
-        try:
-            os.kill(holder["pid"], 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # alive, owned by another user
-            return False
-        return False
 
 
 def _replace(partial: Path, path: Path) -> None:

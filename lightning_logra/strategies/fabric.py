@@ -25,6 +25,7 @@ from typing_extensions import override
 from lightning_logra.core.config import LoGRAConfig
 from lightning_logra.strategies.checkpoint import split_state
 from lightning_logra.strategies.runtime import LoGRAStrategyMixin, compute_dtype_for
+from lightning_logra.strategies.writer_lock import DEFAULT_LEASE_S
 
 
 class LoGRAFabricStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
@@ -44,6 +45,9 @@ class LoGRAFabricStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
         timeout: how long a collective may wait for the other ranks.
         measure_kl: also measure the true KL of each applied update on the probe responses
             (``StepReport.measured_kl``; one forward before and one after the update).
+        checkpoint_lock_lease_s: the lease of the checkpoint folder's writer lock, held
+            during each ``fabric.save``: a lock its run has not renewed for this long (it
+            renews every third of it) may be taken over.
     """
 
     def __init__(
@@ -54,6 +58,7 @@ class LoGRAFabricStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
         measure_kl: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        checkpoint_lock_lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         super().__init__(
             parallelize_fn=self._shard,
@@ -63,7 +68,7 @@ class LoGRAFabricStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._init_logra(logra, train_non_targets, layer_classes, measure_kl=measure_kl)
+        self._init_logra(logra, train_non_targets, layer_classes, checkpoint_lock_lease_s, measure_kl=measure_kl)
         self._module: nn.Module | None = None
 
     @override

@@ -23,7 +23,7 @@ from lightning_logra.core.sketch import is_target_name
 from lightning_logra.hooks import ProvidesFrozenModels, ProvidesLoGRAModel, found_hooks, step_inputs
 from lightning_logra.models.sharded_loading import is_empty, materialize
 from lightning_logra.notices import quiet_lightning_pytree_notice
-from lightning_logra.strategies import atomic, logra_state
+from lightning_logra.strategies import atomic, logra_state, writer_lock
 from lightning_logra.strategies.checkpoint import (
     load_folder,
     require_folder,
@@ -130,7 +130,7 @@ class LoGRARuntime:
         hooks = f"module hooks: {', '.join(self.hooks)}" if self.hooks else "no module hooks (defaults)"
         return (
             f"LoGRA trains {trained:,} parameters in {len(sketches)} target layers "
-            f"({', '.join(self.config.target_modules)}) through rank-{self.config.rank} sketches; "
+            f"({', '.join(self.config.target_modules)}) through rank-{sketches.rank} sketches; "
             f"the other {others:,} parameters are {fate}; {self._sharding()}; {hooks}"
         )
 
@@ -204,11 +204,12 @@ class LoGRAStrategyMixin:
     ranks (none on one device), atomic checkpoint folders that hold LoGRA's state."""
 
     def _init_logra(self, logra: LoGRAConfig | None, train_non_targets: bool, layer_classes: list[str] | None,
-                    measure_kl: bool = False) -> None:
+                    checkpoint_lock_lease_s: float, measure_kl: bool = False) -> None:
         self.logra_config = logra if logra is not None else LoGRAConfig()
         self.layer_classes = layer_classes
+        self.checkpoint_lock_lease_s = writer_lock.check_lease(checkpoint_lock_lease_s, type(self).__name__)
         self.runtime = LoGRARuntime(self.logra_config, train_non_targets=train_non_targets, measure_kl=measure_kl)
-        self._writer_locks: dict[Path, atomic.WriterLock] = {}
+        self._held_folders: set[Path] = set()  # rank 0's writer locks, released at teardown
 
     @property
     def logra_optimizer(self) -> LoGRAOptimizer | None:
@@ -271,9 +272,10 @@ class LoGRAStrategyMixin:
 
     def _load_folder(self, path: Any, state: dict[str, Any], *, strict: bool, weights_only: bool | None) -> dict[str, Any]:
         """Restore ``state`` and LoGRA from the folder at ``path`` (first finishing what a
-        crash left of its save); return the metadata that ``state`` did not ask for."""
+        crash left of its save, unless another live run holds that folder: then nothing is
+        left to finish); return the metadata that ``state`` did not ask for."""
         path = Path(self.broadcast(path))
-        self._on_rank_zero(atomic.recover, path)
+        self._on_rank_zero(writer_lock.recover_if_free, path.parent, lambda _: atomic.recover(path))
         owner = type(self).__name__
         require_folder(path, owner)
         logra_state = self.runtime.read_state(path)  # a structural mismatch fails before any state is loaded
@@ -281,11 +283,11 @@ class LoGRAStrategyMixin:
         self.runtime.load_state(logra_state)
         return remaining
 
-    def recover_checkpoints(self, folders: list[Path]) -> None:
-        """Finish or undo what a crash left in the middle of a save or a removal in each of
-        ``folders`` (``atomic.recover_folder``), before any checkpoint there is read."""
-        for folder in folders:
-            self._on_rank_zero(atomic.recover_folder, Path(folder))
+    def _hold_folder(self, folder: Path) -> writer_lock.WriterLock:
+        """Rank 0: the writer lock of ``folder`` (``writer_lock.hold``), kept until teardown."""
+        lock = writer_lock.hold(folder, self.checkpoint_lock_lease_s)
+        self._held_folders.add(Path(folder))
+        return lock
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """ModelCheckpoint deletes superseded checkpoints through this: renamed away first,
@@ -297,9 +299,9 @@ class LoGRAStrategyMixin:
         super().teardown()
 
     def _release_writer_locks(self) -> None:
-        for lock in self._writer_locks.values():
-            lock.release()
-        self._writer_locks.clear()
+        for folder in self._held_folders:
+            writer_lock.release(folder)
+        self._held_folders.clear()
 
     def _write_atomically(self, path: Any, write: Callable[[Path], None]) -> None:
         """``write`` fills a hidden partial folder, put in place once every rank has
@@ -312,12 +314,10 @@ class LoGRAStrategyMixin:
         self._on_rank_zero(atomic.commit, partial, path)
 
     def _prepare_save(self, path: Path) -> None:
-        """One writer per folder (the lock, taken by the first save there), then the
-        leftovers of an interrupted save of ``path`` dealt with."""
-        if path.parent not in self._writer_locks:
-            lock = atomic.WriterLock(path.parent)
-            lock.acquire()
-            self._writer_locks[path.parent] = lock
+        """One writer per folder: the lock (held since start-up for the folders the run
+        was set up to write, else taken now) still ours; then the leftovers of an
+        interrupted save of ``path`` dealt with."""
+        self._hold_folder(path.parent).renew()  # raises if another run took the lock over meanwhile
         atomic.prepare(path)
 
     def _on_rank_zero(self, operation: Callable[..., Any], *args: Any) -> None:

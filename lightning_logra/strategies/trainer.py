@@ -17,8 +17,11 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_logra.callbacks.logra import LoGRACallback
+from lightning_logra.callbacks.preemption import PreemptionCheckpoint
 from lightning_logra.core.config import LoGRAConfig
+from lightning_logra.strategies.atomic import recover_folder
 from lightning_logra.strategies.runtime import LoGRAStrategyMixin, compute_dtype_for
+from lightning_logra.strategies.writer_lock import DEFAULT_LEASE_S, hold, recover_if_free
 
 
 class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
@@ -51,6 +54,8 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
             model's ``_no_split_modules``, else every ``nn.ModuleList`` entry).
         process_group_backend: torch.distributed backend (default: nccl on GPU, gloo on CPU).
         timeout: how long a collective may wait for the other ranks.
+        checkpoint_lock_lease_s: the lease of the checkpoint folders' writer lock: a lock its
+            run has not renewed for this long (it renews every third of it) may be taken over.
     """
 
     def __init__(
@@ -60,6 +65,7 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
         layer_classes: list[str] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        checkpoint_lock_lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         super().__init__(
             data_parallel_size="auto",
@@ -68,13 +74,22 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._init_logra(logra, train_non_targets, layer_classes)
+        self._init_logra(logra, train_non_targets, layer_classes, checkpoint_lock_lease_s)
         self._batch: Any = None
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.recover_checkpoints(checkpoint_folders(self.lightning_module.trainer))
+        trainer = self.lightning_module.trainer
+        self._on_rank_zero(self._claim_folders, trainer)
+
+    def _claim_folders(self, trainer) -> None:
+        """Rank 0, at start-up: the writer lock of every folder the run writes, held until
+        teardown (another live run there is refused before any step), then what a crash
+        left mid-save recovered in each folder it reads, under that folder's lock."""
+        for folder in written_checkpoint_folders(trainer):
+            self._hold_folder(folder)
+        recover_checkpoint_folders(trainer)
 
     @override
     def setup(self, trainer) -> None:
@@ -144,13 +159,41 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
                                  weights_only=weights_only)
 
 
-def checkpoint_folders(trainer) -> list[Path]:
-    """Where the Trainer reads and writes checkpoints: every ModelCheckpoint's folder (as
-    ``ckpt_path="last"`` resolves it) and ``default_root_dir`` (SLURM's ``hpc_ckpt_*``)."""
-    folders = [Path(trainer.default_root_dir)]
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            # The resolution ModelCheckpoint._find_last_checkpoints uses, before its setup has run.
-            folders.append(Path(callback._ModelCheckpoint__resolve_ckpt_dir(trainer)))
+def claim_checkpoint_folders(trainer) -> None:
+    """What the strategy does at start-up, for code that needs it earlier: Lightning
+    resolves ``ckpt_path="last"`` (and SLURM's ``hpc_ckpt_*``) before the strategy's setup,
+    so ``logra fit`` calls this first, as should a script that passes such a ``ckpt_path``
+    to ``trainer.fit``. On global rank 0 (a no-op elsewhere): holds the writer lock of
+    every folder the run writes (refused if another live run holds one; released when
+    the strategy tears down, or when the process exits) and recovers each folder it reads."""
+    if trainer.global_rank != 0:
+        return
+    strategy = trainer.strategy
+    lease_s = strategy.checkpoint_lock_lease_s if isinstance(strategy, LoGRAFSDPStrategy) else DEFAULT_LEASE_S
+    for folder in written_checkpoint_folders(trainer):
+        hold(folder, lease_s)
+    recover_checkpoint_folders(trainer)
+
+
+def recover_checkpoint_folders(trainer) -> None:
+    """``atomic.recover_folder`` of every folder the Trainer reads checkpoints from, each
+    under its writer lock; a folder another live run holds is left to that run."""
+    for folder in checkpoint_folders(trainer):
+        recover_if_free(folder, recover_folder)
+
+
+def written_checkpoint_folders(trainer) -> list[Path]:
+    """The folders the run writes checkpoints into: every ModelCheckpoint's (as
+    ``ckpt_path="last"`` resolves it, before its setup has run), and ``default_root_dir``
+    when a PreemptionCheckpoint saves Lightning's HPC checkpoint there."""
+    folders = [Path(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
+               for callback in trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)]
+    if any(isinstance(callback, PreemptionCheckpoint) for callback in trainer.callbacks):
+        folders.insert(0, Path(trainer.default_root_dir))
     return list(dict.fromkeys(folders))
 
+
+def checkpoint_folders(trainer) -> list[Path]:
+    """Where the Trainer reads checkpoints: the folders it writes, and ``default_root_dir``
+    (SLURM's and preemption's ``hpc_ckpt_*``)."""
+    return list(dict.fromkeys([Path(trainer.default_root_dir), *written_checkpoint_folders(trainer)]))

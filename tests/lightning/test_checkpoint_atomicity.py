@@ -1,14 +1,10 @@
 """Crash-consistent checkpoint folders (issue 23 items 5 and 6): a save stopped between any
 two file operations resumes from a complete checkpoint, temporary names match none of
-Lightning's checkpoint patterns, one writer per folder, and ``weights_only`` reaches
-``torch.load``."""
+Lightning's checkpoint patterns, and ``weights_only`` reaches ``torch.load``. (One writer per
+folder: test_writer_lock.py.)"""
 
-import os
 import pickle
 import shutil
-import socket
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +15,7 @@ from lightning.pytorch.trainer.connectors.checkpoint_connector import _Checkpoin
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_logra import LoGRAFSDPStrategy
-from lightning_logra.strategies import atomic
+from lightning_logra.strategies import atomic, writer_lock
 from tests.helpers.lightning import FABRIC_STEPS, CausalLM, assert_identical, config, fabric_run, loader, trainer
 
 
@@ -60,7 +56,7 @@ def test_a_save_stopped_between_any_two_file_operations_resumes_to_the_same_weig
                 finished = False
         resumed = fabric_run(1, FABRIC_STEPS, load_from=checkpoint)
         assert_identical(uninterrupted, resumed)
-        assert [p.name for p in tmp_path.iterdir() if p.name != atomic.LOCK_NAME] == ["last.ckpt"], operation
+        assert [p.name for p in tmp_path.iterdir() if p.name != writer_lock.LOCK_NAME] == ["last.ckpt"], operation
         if finished:
             break
         operation += 1
@@ -100,7 +96,7 @@ def test_temporary_names_match_no_lightning_checkpoint_pattern(tmp_path):
     for name in ("hpc_ckpt_2.ckpt", "last-v1.ckpt", "last.ckpt"):
         for leftover in (atomic.partial_path(tmp_path / name), atomic.old_path(tmp_path / name)):
             leftover.mkdir()
-    (tmp_path / atomic.LOCK_NAME).write_text("{}")
+    (tmp_path / writer_lock.LOCK_NAME).write_text("{}")
     assert _CheckpointConnector._CheckpointConnector__max_ckpt_version_in_folder(tmp_path, "hpc_ckpt_") == 1
     last = ModelCheckpoint(dirpath=tmp_path)._find_last_checkpoints(trainer=None)
     assert last == {str(tmp_path / "last.ckpt")}
@@ -123,24 +119,6 @@ def test_a_removal_stopped_midway_never_brings_the_checkpoint_back(tmp_path, mon
     assert not checkpoint.exists()
     assert atomic.recover_folder(tmp_path) == []
     assert list(tmp_path.iterdir()) == []
-
-
-def test_a_second_writer_is_refused_and_a_dead_writers_lock_is_taken_over(tmp_path):
-    host = socket.gethostname()
-    lock = atomic.WriterLock(tmp_path)
-    lock.path.write_text(f'{{"pid": {os.getppid()}, "host": "{host}"}}')  # a live process
-    with pytest.raises(RuntimeError, match=rf"held by pid {os.getppid()} on '{host}'"):
-        lock.acquire()
-    lock.path.write_text(f'{{"pid": {os.getpid()}, "host": "another-host"}}')
-    with pytest.raises(RuntimeError, match="another-host"):
-        lock.acquire()
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    lock.path.write_text(f'{{"pid": {gone.pid}, "host": "{host}"}}')
-    lock.acquire()
-    assert lock.path.read_text() == f'{{"pid": {os.getpid()}, "host": "{host}"}}'
-    lock.release()
-    assert not lock.path.exists()
 
 
 class PicklingCheckpoint(CausalLM):
