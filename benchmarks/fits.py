@@ -126,7 +126,7 @@ def measure_rank(case: dict, method: str) -> dict:
         from torch.distributed.device_mesh import init_device_mesh
 
         from lightning_logra import LoGRAConfig
-        from lightning_logra.strategies.runtime import shard_policy
+        from lightning_logra.strategies.sharding import shard_policy
 
         mesh = init_device_mesh("cpu", (world,))
         shard = lambda module: shard_policy(module, mesh, LoGRAConfig().target_modules)  # noqa: E731

@@ -57,7 +57,7 @@ def rank_main(mode: str, tokens: int, micro_batches: int, smoke: bool = False) -
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from lightning_logra import LoGRAConfig
-    from lightning_logra.strategies.runtime import shard_policy
+    from lightning_logra.strategies.sharding import shard_policy
 
     shape = SMOKE if smoke else BENCH_156M
     dist.init_process_group("gloo")

@@ -4,8 +4,8 @@ Trainer's and Fabric's strategy registries."""
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_logra.strategies.checkpoints.logra_state import convert_legacy_state
 from lightning_logra.strategies.fabric import LoGRAFabricStrategy
-from lightning_logra.strategies.logra_state import convert_legacy_state
 from lightning_logra.strategies.trainer import LoGRAFSDPStrategy, claim_checkpoint_folders
 
 STRATEGY_NAME = "logra_fsdp"

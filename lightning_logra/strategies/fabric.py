@@ -23,12 +23,15 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_logra.core.config import LoGRAConfig
-from lightning_logra.strategies.checkpoint import split_state
-from lightning_logra.strategies.runtime import LoGRAStrategyMixin, compute_dtype_for
-from lightning_logra.strategies.writer_lock import DEFAULT_LEASE_S
+from lightning_logra.strategies.checkpoints.folder import split_state
+from lightning_logra.strategies.checkpoints.strategy import CheckpointFoldersMixin
+from lightning_logra.strategies.checkpoints.writer_lock import DEFAULT_LEASE_S
+from lightning_logra.strategies.runtime import LoGRARuntimeMixin, compute_dtype_for
+from lightning_logra.strategies.sharding import DataParallelShardingMixin
 
 
-class LoGRAFabricStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
+class LoGRAFabricStrategy(LoGRARuntimeMixin, DataParallelShardingMixin, CheckpointFoldersMixin,
+                          ModelParallelStrategy):
     """FSDP2 data parallelism with LoGRA on the targets, for Fabric loops.
 
     On one device the module is not wrapped in FSDP2 (it would shard nothing and copy every
@@ -68,7 +71,9 @@ class LoGRAFabricStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._init_logra(logra, train_non_targets, layer_classes, checkpoint_lock_lease_s, measure_kl=measure_kl)
+        self._init_runtime(logra, train_non_targets, measure_kl=measure_kl)
+        self._init_sharding(layer_classes)
+        self._init_checkpoints(checkpoint_lock_lease_s)
         self._module: nn.Module | None = None
 
     @override

@@ -5,26 +5,26 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_logra.callbacks.logra import LoGRACallback
-from lightning_logra.callbacks.preemption import PreemptionCheckpoint
 from lightning_logra.core.config import LoGRAConfig
-from lightning_logra.strategies.atomic import recover_folder
-from lightning_logra.strategies.runtime import LoGRAStrategyMixin, compute_dtype_for
-from lightning_logra.strategies.writer_lock import DEFAULT_LEASE_S, hold, recover_if_free
+from lightning_logra.strategies.checkpoints.recovery import recover_checkpoint_folders, written_checkpoint_folders
+from lightning_logra.strategies.checkpoints.strategy import CheckpointFoldersMixin
+from lightning_logra.strategies.checkpoints.writer_lock import DEFAULT_LEASE_S, hold
+from lightning_logra.strategies.runtime import LoGRARuntimeMixin, compute_dtype_for
+from lightning_logra.strategies.sharding import DataParallelShardingMixin
 
 
-class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
+class LoGRAFSDPStrategy(LoGRARuntimeMixin, DataParallelShardingMixin, CheckpointFoldersMixin,
+                        ModelParallelStrategy):
     """FSDP2 (row-sharded float32 weights), data-parallel only, with LoGRA on the targets.
 
     ``configure_model`` runs on the meta device: what it builds gets storage in ``setup``,
@@ -74,7 +74,9 @@ class LoGRAFSDPStrategy(LoGRAStrategyMixin, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._init_logra(logra, train_non_targets, layer_classes, checkpoint_lock_lease_s)
+        self._init_runtime(logra, train_non_targets)
+        self._init_sharding(layer_classes)
+        self._init_checkpoints(checkpoint_lock_lease_s)
         self._batch: Any = None
 
     @override
@@ -173,27 +175,3 @@ def claim_checkpoint_folders(trainer) -> None:
     for folder in written_checkpoint_folders(trainer):
         hold(folder, lease_s)
     recover_checkpoint_folders(trainer)
-
-
-def recover_checkpoint_folders(trainer) -> None:
-    """``atomic.recover_folder`` of every folder the Trainer reads checkpoints from, each
-    under its writer lock; a folder another live run holds is left to that run."""
-    for folder in checkpoint_folders(trainer):
-        recover_if_free(folder, recover_folder)
-
-
-def written_checkpoint_folders(trainer) -> list[Path]:
-    """The folders the run writes checkpoints into: every ModelCheckpoint's (as
-    ``ckpt_path="last"`` resolves it, before its setup has run), and ``default_root_dir``
-    when a PreemptionCheckpoint saves Lightning's HPC checkpoint there."""
-    folders = [Path(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
-               for callback in trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)]
-    if any(isinstance(callback, PreemptionCheckpoint) for callback in trainer.callbacks):
-        folders.insert(0, Path(trainer.default_root_dir))
-    return list(dict.fromkeys(folders))
-
-
-def checkpoint_folders(trainer) -> list[Path]:
-    """Where the Trainer reads checkpoints: the folders it writes, and ``default_root_dir``
-    (SLURM's and preemption's ``hpc_ckpt_*``)."""
-    return list(dict.fromkeys([Path(trainer.default_root_dir), *written_checkpoint_folders(trainer)]))

@@ -15,7 +15,7 @@ from lightning.pytorch.trainer.connectors.checkpoint_connector import _Checkpoin
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_logra import LoGRAFSDPStrategy
-from lightning_logra.strategies import atomic, writer_lock
+from lightning_logra.strategies.checkpoints import atomic, writer_lock
 from tests.helpers.lightning import FABRIC_STEPS, CausalLM, assert_identical, config, fabric_run, loader, trainer
 
 

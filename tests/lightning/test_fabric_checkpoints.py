@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_logra import LoGRAFabricStrategy
 from lightning_logra.strategies import convert_legacy_state
-from lightning_logra.strategies.logra_state import STATE_FILE, STATE_FOLDER
+from lightning_logra.strategies.checkpoints.logra_state import STATE_FILE, STATE_FOLDER
 from tests.helpers.lightning import FABRIC_STEPS, ProbedLM, assert_identical, config, fabric_run, trained_weights
 
 

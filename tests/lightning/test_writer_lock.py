@@ -21,9 +21,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_logra import LoGRAFabricStrategy, LoGRAFSDPStrategy
 from lightning_logra.callbacks import PreemptionCheckpoint
 from lightning_logra.cli import LoGRACLI
-from lightning_logra.strategies import atomic, writer_lock
+from lightning_logra.strategies.checkpoints import atomic, writer_lock
 from lightning_logra.strategies.trainer import claim_checkpoint_folders
-from lightning_logra.strategies.writer_lock import FolderLocked, LostLock, WriterLock
+from lightning_logra.strategies.checkpoints.writer_lock import FolderLocked, LostLock, WriterLock
 from tests.helpers.lightning import CausalLM, config, loader, trainer
 
 HOST = socket.gethostname()
