@@ -65,19 +65,29 @@ PYTHON_TAGS = ("python", "py", "python3")
 DEFAULT_LIMITS = SandboxLimits(timeout_s=3.0, cpu_time_s=2)
 CALLS_FILE, COMPLETION_FILE, STDIN_FILE, STDERR_FILE, TASK_FILE = (
     "calls.json", "completion.py", "stdin.txt", "stderr.txt", "task.json")
-# Runs the program, then each call (a function name and its arguments' literal source;
-# no expected value), and reports each returned value that is plain data, in order.
-CALLS_HARNESS = f"""
+
+
+def _after_the_program(task_file: str, rest: str) -> str:
+    """A harness: read ``task_file`` (JSON: the program's ``code`` and what to run after
+    it), run the program in a namespace of its own (``ran``: whether it finished), then
+    ``rest``."""
+    return f"""
 import ast, json, math
-with open({CALLS_FILE!r}, encoding="utf-8") as file:
+with open({task_file!r}, encoding="utf-8") as file:
     task = json.load(file)
-{inspect.getsource(is_plain)}
 namespace = {{"__name__": "__main__"}}
 try:
     exec(compile(task["code"], "<completion>", "exec"), namespace)
     ran = True
 except BaseException:
     ran = False
+""" + rest
+
+
+# Runs the program, then each call (a function name and its arguments' literal source;
+# no expected value), and reports each returned value that is plain data, in order.
+CALLS_HARNESS = _after_the_program(CALLS_FILE, f"""
+{inspect.getsource(is_plain)}
 entries = []
 for call in task["calls"]:
     try:
@@ -87,7 +97,7 @@ for call in task["calls"]:
         entries.append("null")
 with open({REPORT_FILE!r}, "w", encoding="utf-8") as file:
     file.write("[" + ", ".join(entries) + "]")
-"""
+""")
 # Runs the program as the main program with the test's standard input; its standard error
 # goes to a file, so that the captured output is its standard output alone.
 OUTPUT_HARNESS = f"""
@@ -100,16 +110,7 @@ runpy.run_path({COMPLETION_FILE!r}, run_name="__main__")
 """
 # Trusted asserts only (the program can forge their outcome): runs the program, then each
 # assert in its namespace, and reports one 0/1 per assert.
-TRUSTED_ASSERTS_HARNESS = f"""
-import json
-with open({TASK_FILE!r}, encoding="utf-8") as file:
-    task = json.load(file)
-namespace = {{"__name__": "__main__"}}
-try:
-    exec(compile(task["code"], "<completion>", "exec"), namespace)
-    ran = True
-except BaseException:
-    ran = False
+TRUSTED_ASSERTS_HARNESS = _after_the_program(TASK_FILE, f"""
 passed = []
 for test in task["tests"]:
     try:
@@ -120,7 +121,7 @@ for test in task["tests"]:
         passed.append(0)
 with open({REPORT_FILE!r}, "w", encoding="utf-8") as file:
     json.dump(passed, file)
-"""
+""")
 
 
 class Run(NamedTuple):
