@@ -116,12 +116,14 @@ def test_expected_values_never_enter_the_sandbox(monkeypatch):
 
 
 @pytest.mark.parametrize(("returned", "expected", "passes"), [
-    ("1", "True", False),  # bools are not numbers: True == 1 in Python, not here
-    ("True", "1", False),
-    ("4.0", "4", True),  # ints and floats compare by value, as Python's == does
+    ("1", "True", True),  # Python's ==, as before: True == 1
+    ("True", "1", True),
+    ("4.0", "4", True),  # ints and floats compare by value
     ("0.1 + 0.2", "0.3", False),  # floats exactly, as before
     ("(1, 2)", "[1, 2]", False),  # a tuple is not a list, as before
-    ("[1, True]", "[1, 1]", False),
+    ("[1, True]", "[1, 1]", True),
+    ("[1, 2]", "[2, 1]", False),
+    ("{'a': 1}", "{'a': 1, 'b': 2}", False),
     ("{'a': [1, None]}", "{'a': [1, None]}", True),
     ("None", "None", True),
     ("'ab'", "'ab'", True),
