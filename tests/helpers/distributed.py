@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -76,3 +79,14 @@ def child_environment(**overrides: str) -> dict[str, str]:
     environment = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES}
     environment.update(overrides)
     return environment
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start_logra_fit(config: Path, cwd: Path, *arguments: str, **environment: str) -> subprocess.Popen:
+    """`logra fit -c config *arguments` as a user runs it, in ``cwd``, importing this
+    checkout; stdout and stderr together as text (``environment`` overrides variables)."""
+    command = [str(Path(sys.executable).parent / "logra"), "fit", "-c", str(config), *arguments]
+    return subprocess.Popen(command, cwd=cwd, env=child_environment(PYTHONPATH=str(REPO), **environment),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

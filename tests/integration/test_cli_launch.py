@@ -6,16 +6,14 @@ MLflow run."""
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import mlflow
 import pytest
 import torch
 
-from tests.helpers.distributed import child_environment, free_port
+from tests.helpers.distributed import start_logra_fit, free_port
 
-REPO = Path(__file__).resolve().parents[2]
 CONFIG = """
 seed_everything: 0
 trainer:
@@ -70,12 +68,9 @@ def launch(launched: list, root: Path, model: str, *overrides: str, **environmen
     if not config.exists():  # written once: two "nodes" share the folder
         root.mkdir()
         config.write_text(CONFIG.format(root=root, model=model))
-    command = [str(Path(sys.executable).parent / "logra"), "fit", "-c", str(config), *overrides]
     # One thread per process everywhere: Lightning gives a process cores / local processes
     # threads, so a 2-node run (1 local process) would round its reductions differently.
-    environment = child_environment(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **environment)
-    process = subprocess.Popen(command, cwd=root, env=environment,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = start_logra_fit(config, root, *overrides, OMP_NUM_THREADS="1", **environment)
     launched.append(process)
     return process
 

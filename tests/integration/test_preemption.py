@@ -3,8 +3,6 @@ checkpoints the end of that step, prints its summary and exits with 143; `--ckpt
 then ends with the weights, baseline and metrics of an uninterrupted run. Two ranks stop
 after the same step when only one of them is signalled."""
 
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -13,12 +11,11 @@ import torch
 
 from lightning_logra import LoGRAFSDPStrategy
 from lightning_logra.callbacks import Preempted, PreemptionCheckpoint
-from tests.helpers.distributed import child_environment, run_lightning_on_two_ranks
+from tests.helpers.distributed import start_logra_fit, run_lightning_on_two_ranks
 from tests.helpers.lightning import CausalLM, config, loader, trained_weights, trainer
 from tests.helpers.preemption import SignalDuringStep
 from tests.integration.test_resume import REWARD
 
-REPO = Path(__file__).resolve().parents[2]
 
 CONFIG = """
 seed_everything: 0
@@ -61,9 +58,7 @@ def logra_fit(root, model, *extra, signalled=False):
     config = root / "config.yaml"
     config.write_text(CONFIG.format(root=root, model=model, reward=REWARD,
                                     signal=SIGTERM_DURING_STEP_2 if signalled else ""))
-    command = [str(Path(sys.executable).parent / "logra"), "fit", "-c", str(config), *extra]
-    return subprocess.Popen(command, cwd=root, env=child_environment(PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return start_logra_fit(config, root, *extra)
 
 
 @pytest.mark.slow

@@ -3,8 +3,6 @@ sampling) in 1 and 2 processes, and survival of a kill -9 mid-step."""
 
 import os
 import signal
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -17,10 +15,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.data import PromptDataModule
 from lightning_logra.modules import LossConfig, OptimizerConfig, RolloutConfig
-from tests.helpers.distributed import child_environment, run_lightning_on_two_ranks
+from tests.helpers.distributed import start_logra_fit, run_lightning_on_two_ranks
 from tests.helpers.grpo import RecordingGRPO
 
-REPO = Path(__file__).resolve().parents[2]
 REWARD = "tests.helpers.grpo:varied_reward"
 
 
@@ -119,9 +116,7 @@ data:
 def logra_fit(root, model, *extra):
     config = root / "config.yaml"
     config.write_text(CONFIG.format(root=root, model=model, reward=REWARD))
-    environment = child_environment(PYTHONPATH=str(REPO))
-    command = [str(Path(sys.executable).parent / "logra"), "fit", "-c", str(config), *extra]
-    return subprocess.Popen(command, cwd=root, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return start_logra_fit(config, root, *extra)
 
 
 def test_kill_9_mid_step_then_resume_loses_nothing(model_folder, tmp_path):
