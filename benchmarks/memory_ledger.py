@@ -6,10 +6,10 @@ probe on both rows), run once under ``torch.profiler`` with ``profile_memory=Tru
 tensor allocation and free is an event of the CPU allocator, with the op that made it and
 the profiler range it happened in, so the ledger is measured, not estimated:
 
-- phases, from the profiler ranges: the harness's own around the forward/backward
-  (``bench.forward_backward``; the forward of micro-batch i is what runs in it before its
-  backward), each backward (``bench.backward``) and the optimizer step
-  (``bench.optimizer_step``: dense AdamW's / LoRA's), and LoGRA's own ``logra.prepare``,
+- phases, from the profiler ranges: the update function's around the forward/backward
+  (``rl.forward_backward``; the forward of micro-batch i is what runs in it before its
+  backward), the harness's around each backward (``bench.backward``), the optimizer step
+  (``rl.optimizer_step``: dense AdamW's / LoRA's), and LoGRA's own ``logra.prepare``,
   ``logra.probe`` and ``logra.apply`` inside ``LoGRAOptimizer.step``;
 - per phase: the bytes live at its start, at its peak and at its end;
 - at each phase's peak: what is live, grouped by where it was allocated (before the step:

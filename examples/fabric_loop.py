@@ -19,15 +19,9 @@ class TinyLM(torch.nn.Module):
         config = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2)
         self.model = Qwen2ForCausalLM(config)
-        self.last_batch: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        self.last_batch = input_ids
         return self.model(input_ids=input_ids, labels=input_ids).loss
-
-    def logra_step_inputs(self) -> lightning_logra.LoGRAStepInputs:
-        """Fabric has no training batch to borrow: the KL probe scores the last one."""
-        return lightning_logra.LoGRAStepInputs(probe=lightning_logra.ProbeBatch.from_token_batch(self.last_batch))
 
 
 def main() -> None:
@@ -52,9 +46,11 @@ def main() -> None:
         batch = (starts + torch.arange(24) * 3) % 32  # a learnable cyclic pattern
         loss = model(batch)
         fabric.backward(loss)
-        optimizer.step()  # the LoGRA update of the targets, scaled to the KL budget
+        # The LoGRA update of the targets, scaled to the KL budget on the probe handed down
+        # (here the batch itself); the report says what it did: predicted KL, alpha, timings.
+        probe = lightning_logra.ProbeBatch.from_token_batch(batch)
+        report = strategy.logra_step(optimizer, lightning_logra.LoGRAStepInputs(probe=probe))
         optimizer.zero_grad()
-        report = strategy.last_report  # what the step did: predicted KL, alpha, budget, timings
         fabric.log_dict({"loss": loss.item(), **report.metrics()}, step=step)
         if step % 5 == 0 or step == args.steps - 1:
             fabric.print(f"step {step:3d}  loss {loss.item():.3f}  alpha {report.alpha:.3f}  "

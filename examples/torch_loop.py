@@ -9,7 +9,7 @@ its predicted KL on the batch equals the budget.
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lightning_logra import LoGRAConfig, LoGRAOptimizer, ProbeBatch
+from lightning_logra import LoGRAConfig, LoGRAOptimizer, LoGRAStepInputs, ProbeBatch
 
 torch.manual_seed(0)
 model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -21,7 +21,7 @@ for step in range(30):
     optimizer.zero_grad()
     loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
-    report = optimizer.step(probe=ProbeBatch.from_token_batch(batch))
+    report = optimizer.step(logra_inputs=LoGRAStepInputs(probe=ProbeBatch.from_token_batch(batch)))
     if step % 5 == 0 or step == 29:
         print(f"step {step:2d}  loss {loss.item():.3f}  alpha {report.alpha:.3f}  "
               f"predicted KL {report.predicted_kl_scaled:.2e} (budget {report.budget:.2e})")

@@ -1,65 +1,41 @@
 """The contract between a LightningModule and the ``logra_fsdp`` strategies.
 
-A module may provide any of three hooks; each is a small runtime-checkable Protocol, and
-the strategy checks the module against them once, at setup, and says which it found:
+Data goes one way. The module hands each step its inputs and gets back what the step did:
+
+    report = self.optimizers().step(logra_inputs=LoGRAStepInputs(probe=..., ...))  # StepReport
+
+(Lightning passes the keyword through to the strategy's ``optimizer_step``; with Fabric,
+``fabric.strategy.logra_step(optimizer, logra_inputs)``.) A step given no inputs, as under
+automatic optimization, probes the training batch when it is a dict with ``input_ids``
+(every next-token position), with no log-prob pairs and a mean loss; given inputs without a
+probe, it probes that batch too.
+
+A module may provide two hooks, each a small runtime-checkable Protocol that the strategy
+checks once, at setup, saying which it found:
 
 - ``logra_model()``: the module LoGRA trains (default: the only child holding targets).
 - ``logra_frozen_models()``: models beside it that get no gradient (e.g. a KL reference),
   kept in the compute dtype and sharded like the policy.
-- ``logra_step_inputs()``: called once per optimizer step, returns one ``LoGRAStepInputs``
-  (the probe batch, the log-prob pairs, the normalisation tokens, whether to record the
-  low-rank form of the update). Default: the training batch as the probe (a dict with
-  ``input_ids``), no pairs, a mean loss.
 
-What an update changed comes back on the step's ``StepReport``
-(``StepReport.low_rank_updates``), which ``last_step_report(trainer)`` returns. A method
-named ``logra_*`` that is none of these hooks is refused at setup, so a misspelt hook
-never silently does nothing.
+A method named ``logra_*`` that is no hook is refused at setup, so a misspelt hook never
+silently does nothing; so is ``logra_step_inputs()``, which the strategy used to call
+back during a step (its message says what replaced it).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 
-from lightning_logra.core.kl import LogprobPairs
 from lightning_logra.core.optimizer import LoGRAOptimizer
 from lightning_logra.core.probe import ProbeBatch
 from lightning_logra.core.report import StepReport
+from lightning_logra.core.step_inputs import LoGRAStepInputs
 
-
-@dataclass(frozen=True)
-class LoGRAStepInputs:
-    """What one LoGRA step needs from the module, beyond the sketches.
-
-    ``probe``: the responses the KL probe scores (a ``ProbeBatch``, or its dict form), None
-    to probe the training batch. ``logprob_pairs``: rollout vs trainer log-probs for the
-    mismatch term. ``normalization_tokens``: the global count of loss-bearing tokens when
-    the loss is a sum over tokens (1 for a mean loss). ``record_low_rank``: keep the update
-    as (alpha D, seed of A) per target on the ``StepReport``, for a low-rank weight sync.
-    """
-
-    probe: ProbeBatch | None = None
-    logprob_pairs: LogprobPairs | None = None
-    normalization_tokens: float = 1.0
-    record_low_rank: bool = False
-
-    def __post_init__(self) -> None:
-        if self.probe is not None and not isinstance(self.probe, ProbeBatch):
-            if not isinstance(self.probe, Mapping):
-                raise TypeError(f"LoGRAStepInputs.probe must be a ProbeBatch or a mapping, got {type(self.probe).__name__}")
-            object.__setattr__(self, "probe", ProbeBatch.from_mapping(self.probe))
-        if self.logprob_pairs is not None and not isinstance(self.logprob_pairs, LogprobPairs):
-            object.__setattr__(self, "logprob_pairs", LogprobPairs(*self.logprob_pairs))
-        tokens = float(self.normalization_tokens)
-        if not math.isfinite(tokens) or tokens <= 0:
-            raise ValueError(f"LoGRAStepInputs.normalization_tokens = {self.normalization_tokens!r} must be a count > 0")
-        if not isinstance(self.record_low_rank, bool):
-            raise TypeError(f"LoGRAStepInputs.record_low_rank must be a bool, got {self.record_low_rank!r}")
+__all__ = ["LoGRAModuleHooks", "LoGRAStepInputs", "ProvidesFrozenModels", "ProvidesLoGRAModel", "ReportsLoGRASteps",
+           "found_hooks", "with_default_probe"]
 
 
 @runtime_checkable
@@ -77,28 +53,30 @@ class ProvidesFrozenModels(Protocol):
 
 
 @runtime_checkable
-class ProvidesStepInputs(Protocol):
-    def logra_step_inputs(self) -> LoGRAStepInputs:
-        """This optimizer step's inputs; called once per step, after the backward passes."""
-        ...
-
-
-@runtime_checkable
-class LoGRAModuleHooks(ProvidesLoGRAModel, ProvidesFrozenModels, ProvidesStepInputs, Protocol):
+class LoGRAModuleHooks(ProvidesLoGRAModel, ProvidesFrozenModels, Protocol):
     """Every hook: what ``GRPOModule`` provides."""
 
 
 HOOKS: dict[str, type] = {
     "logra_model": ProvidesLoGRAModel,
     "logra_frozen_models": ProvidesFrozenModels,
-    "logra_step_inputs": ProvidesStepInputs,
+}
+# Hooks of earlier versions -> what replaced them, for the error that refuses them.
+REMOVED_HOOKS: dict[str, str] = {
+    "logra_step_inputs": (
+        "the step's inputs now go down with the step: report = self.optimizers().step(logra_inputs="
+        "LoGRAStepInputs(...)) in a LightningModule, fabric.strategy.logra_step(optimizer, LoGRAStepInputs(...)) "
+        "in a Fabric loop"
+    ),
 }
 
 
 @runtime_checkable
 class ReportsLoGRASteps(Protocol):
-    """What both ``logra_fsdp`` strategies offer: the ``StepReport`` of the last step, and
-    the ``LoGRAOptimizer`` itself (None before setup)."""
+    """What both ``logra_fsdp`` strategies offer: optimizer steps that take
+    ``logra_inputs=``, the ``StepReport`` of the last step (for observers such as
+    ``LoGRACallback``; the module gets it back from its step) and the ``LoGRAOptimizer``
+    itself (None before setup)."""
 
     @property
     def last_report(self) -> StepReport | None: ...
@@ -110,38 +88,27 @@ class ReportsLoGRASteps(Protocol):
 def found_hooks(module: Any) -> list[str]:
     """The hooks ``module`` provides, in ``HOOKS`` order. A ``logra_*`` method that is no
     hook (a misspelling, or a hook of an older version) raises ``TypeError`` naming it."""
-    unknown = sorted(
-        name for name in dir(type(module))
-        if name.startswith("logra_") and name not in HOOKS and callable(getattr(type(module), name, None))
-    )
-    if unknown:
+    names = [name for name in dir(type(module))
+             if name.startswith("logra_") and name not in HOOKS and callable(getattr(type(module), name, None))]
+    removed = [f"{name}() was removed: {REMOVED_HOOKS[name]}" for name in sorted(names) if name in REMOVED_HOOKS]
+    if removed:
+        raise TypeError(f"{type(module).__name__} defines " + "; ".join(removed))
+    if names:
         raise TypeError(
-            f"{type(module).__name__} defines {', '.join(unknown)}, which is no LoGRA hook; the hooks are "
+            f"{type(module).__name__} defines {', '.join(sorted(names))}, which is no LoGRA hook; the hooks are "
             f"{', '.join(HOOKS)} (lightning_logra.hooks). Rename or remove it: a misspelt hook would do nothing"
         )
     return [name for name, protocol in HOOKS.items() if isinstance(module, protocol)]
 
 
-def step_inputs(module: Any, batch: Any) -> LoGRAStepInputs:
-    """The module's ``logra_step_inputs()``; without it, the training batch as the probe
-    when it is a dict with ``input_ids`` (every next-token position), else no probe."""
-    if isinstance(module, ProvidesStepInputs):
-        inputs = module.logra_step_inputs()
-        if not isinstance(inputs, LoGRAStepInputs):
-            raise TypeError(f"{type(module).__name__}.logra_step_inputs() returned {type(inputs).__name__}, "
-                            "not a LoGRAStepInputs")
-        if inputs.probe is not None:
-            return inputs
-    else:
+def with_default_probe(inputs: LoGRAStepInputs | None, batch: Any) -> LoGRAStepInputs:
+    """The step's inputs as the strategy runs them: ``inputs`` (none: the defaults), probing
+    the training ``batch`` when they name no probe and it is a dict with ``input_ids``."""
+    if inputs is None:
         inputs = LoGRAStepInputs()
-    if isinstance(batch, Mapping) and "input_ids" in batch:
+    elif not isinstance(inputs, LoGRAStepInputs):
+        raise TypeError(f"optimizer.step(logra_inputs=...) takes a LoGRAStepInputs, got {type(inputs).__name__}")
+    if inputs.probe is None and isinstance(batch, Mapping) and "input_ids" in batch:
         probe = ProbeBatch.from_token_batch(batch["input_ids"], batch.get("attention_mask"))
         return LoGRAStepInputs(probe, inputs.logprob_pairs, inputs.normalization_tokens, inputs.record_low_rank)
     return inputs
-
-
-def last_step_report(trainer: Any) -> StepReport | None:
-    """The ``StepReport`` of the last optimizer step under a ``logra_fsdp`` strategy; None
-    under any other strategy (a dense or LoRA run) or before the first step."""
-    strategy = trainer.strategy
-    return strategy.last_report if isinstance(strategy, ReportsLoGRASteps) else None

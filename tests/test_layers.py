@@ -37,7 +37,7 @@ def test_the_contracts_catch_a_rollout_module_reaching_up_to_the_strategy_contra
     shutil.copytree(ROOT / "benchmarks", tmp_path / "benchmarks", ignore=shutil.ignore_patterns("__pycache__", "results"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     engines = tmp_path / "lightning_logra" / "rollout" / "engines.py"
-    engines.write_text(engines.read_text() + "\nfrom lightning_logra.hooks import last_step_report\n")
+    engines.write_text(engines.read_text() + "\nfrom lightning_logra.hooks import ReportsLoGRASteps\n")
     run = lint_imports(tmp_path)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "lightning_logra.rollout is not allowed to import lightning_logra.hooks" in run.stdout

@@ -5,12 +5,14 @@ their summaries, the machine, and the outputs every script writes.
 fixed generator: prompt and completion token ids (each group of ``num_generations`` rows
 shares its prompt), completion masks, the rollout log-probs (the initial weights' own, as
 the HF engine reports them, so the rollout/trainer mismatch starts at zero) and GRPO
-advantages of random rewards (``group_advantages``). ``Runner.step`` replays it: the
-micro-batched forward/backward ``GRPOModule`` runs per optimizer step
-(``rl.batch.backward_micro_batches``: chunked token log-probs, the default ``LossConfig()``
-loss, grpo, and its weighting), then the update: ``torch.optim.AdamW.step()`` as
-``GRPOModule.configure_optimizers`` builds it (dense, LoRA) or ``LoGRAOptimizer.step``
-with the batch's probe rows and log-prob pairs, as the ``logra_fsdp`` strategy calls it.
+advantages of random rewards (``group_advantages``). ``Runner.step`` replays it through
+``rl.step.run_update``, the function ``GRPOModule`` runs per optimizer step: the
+micro-batched forward/backward (``rl.batch.backward_micro_batches``: chunked token
+log-probs, the default ``LossConfig()`` loss, grpo, and its weighting), then the update:
+``torch.optim.AdamW.step()`` on ``rl.step.build_optimizer``'s AdamW, as
+``GRPOModule.configure_optimizers`` builds it (dense, LoRA), or ``LoGRAOptimizer.step``
+with the batch's probe rows and log-prob pairs (``rl.step.logra_step_inputs``), the inputs
+``GRPOModule`` hands the ``logra_fsdp`` strategy.
 Every mode replays the same rollouts from the same initial weights.
 
 **Side by side.** ``alternate_modes`` runs one untimed warm-up step per mode, then

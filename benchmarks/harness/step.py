@@ -15,8 +15,9 @@ RANK = 256  # LoRA and LoGRA rank
 # A flat KL budget (kl_budget = kl_budget_final), so alpha = min(3, sqrt(2e-4 / prediction))
 # at every step, warm-up and repetitions alike, as when the scripts scaled the step by hand.
 KL_BUDGET = 2e-4
-# Profiler ranges around the pieces of Runner.step (memory_ledger.py reads them).
-RANGES = {"forward_backward": "bench.forward_backward", "backward": "bench.backward", "optimizer_step": "bench.optimizer_step"}
+# Profiler ranges around the pieces of Runner.step (memory_ledger.py reads them): the update
+# function's own two (``rl.step.RANGES``) and each backward, which the harness marks.
+RANGES = {"forward_backward": "rl.forward_backward", "backward": "bench.backward", "optimizer_step": "rl.optimizer_step"}
 
 
 # --- the replayed rollouts ------------------------------------------------------------------
@@ -160,57 +161,52 @@ class Runner:
     def step(self, replay: Replay, rows: slice | None = None,
              phase: Callable[[str], None] = lambda name: None) -> dict[str, float]:
         """One optimizer step of GRPOModule on ``rows`` of the replayed batch (default: all):
-        ``backward_micro_batches``, then the update. Returns its seconds by piece:
-        ``forward_backward``, ``update``, ``kl_probe`` (LoGRA's ``StepReport.probe_s``; 0
-        otherwise) and their sum ``step``. ``phase(name)`` is called as ``forward_backward``
-        and ``update`` end, so the caller can read memory there. Profiler ranges
-        ``RANGES`` mark the forward/backward, each backward and the optimizer step (LoGRA's
-        own ``logra.prepare`` / ``logra.probe`` / ``logra.apply`` sit inside the last)."""
+        the library's ``rl.step.run_update``, as ``GRPOModule._update`` calls it. Returns its
+        seconds by piece: ``forward_backward``, ``update``, ``kl_probe`` (LoGRA's
+        ``StepReport.probe_s``; 0 otherwise) and their sum ``step``. ``phase(name)`` is called
+        as ``forward_backward`` and ``update`` end, so the caller can read memory there.
+        Profiler ranges ``RANGES`` mark the forward/backward, each backward and the optimizer
+        step (LoGRA's own ``logra.prepare`` / ``logra.probe`` / ``logra.apply`` sit inside
+        the last)."""
         import torch.distributed as dist
         from torch.profiler import record_function
 
-        from lightning_logra.rl.batch import backward_micro_batches
         from lightning_logra.rl.metrics import PassTotals
+        from lightning_logra.rl.step import run_update
 
         rows = rows or slice(0, replay.rows)
-        batch, settings = replay.batch, self.settings
+        batch = replay.batch
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         clock = Clock(self.hooks.synchronize)
-        if self.logra is None:
-            self.optimizer.zero_grad()  # as GRPOModule's update starts; LoGRA's step zeroes its sketches itself
+        times = {"forward_backward": 0.0, "update": 0.0, "kl_probe": 0.0}
 
         def backward(loss):
             with record_function(RANGES["backward"]):
                 loss.backward()
 
-        with self.hooks.context(), record_function(RANGES["forward_backward"]):
-            trainer_logprobs = backward_micro_batches(self.model, batch, rows, settings, backward=backward,
-                                                      passes=PassTotals.zeros(batch.mask.device), world=world)
-        if trainer_logprobs is None:
+        def backward_done():
+            times["forward_backward"] = clock.lap()
+            phase("forward_backward")
+
+        # A partial batch (the warm-up's first micro-batch) is probed in its own order.
+        count = rows.stop - rows.start
+        generations = replay.num_generations if count % replay.num_generations == 0 else 1
+        with self.hooks.context():
+            update = run_update(self.model, self.optimizer, batch, rows, self.settings, backward=backward,
+                                passes=PassTotals.zeros(batch.mask.device), num_generations=generations,
+                                logra=self.logra is not None, world=world, after_backward=backward_done)
+        if update is None:
             raise RuntimeError("the replayed rows have no completion token to train on")
-        times = {"forward_backward": clock.lap(), "update": 0.0, "kl_probe": 0.0}
-        phase("forward_backward")
-        if self.logra is None:
-            with record_function(RANGES["optimizer_step"]):
-                self.optimizer.step()
-            times["update"] = clock.lap()
-        else:
-            # A partial batch (the warm-up's first micro-batch) is probed in its own order.
-            count = rows.stop - rows.start
-            generations = replay.num_generations if count % replay.num_generations == 0 else 1
-            with self.hooks.context(), record_function(RANGES["optimizer_step"]):
-                report = self.logra.step(
-                    probe=batch.probe_batch(rows, num_generations=generations, temperature=settings.temperature,
-                                            packed=settings.micro_batch_tokens is not None),
-                    logprob_pairs=batch.logprob_pairs(rows, trainer_logprobs), normalization_tokens=1.0)
-            seconds = clock.lap()
+        seconds = clock.lap()
+        report = update.report
+        if report is not None:
             if report.skipped:  # a skipped step changed nothing: its times measure nothing
                 raise RuntimeError(f"LoGRA skipped the benchmark step: {report.skip_reason}")
             self.last_report = report
             # The report's clocks do not synchronize the device; the step's synchronized wall
             # time minus the probe is prepare_s + apply_s plus the work apply left queued.
             times["kl_probe"] = report.probe_s
-            times["update"] = seconds - report.probe_s
+        times["update"] = seconds - times["kl_probe"]
         phase("update")
         times["step"] = sum(times.values())
         return times
@@ -224,7 +220,7 @@ def build_mode(mode: str, model, settings, *, probe_responses: int, probe_max_to
     library's ``with_lora``: peft on the seven projections, AdamW over the adapters) or
     LoGRA r=256 (``LoGRAOptimizer``, which freezes everything else).
 
-    AdamW: ``OptimizerConfig()``'s lr, betas and weight decay, as ``configure_optimizers``
+    AdamW: ``rl.step.build_optimizer`` with ``OptimizerConfig()``, as ``configure_optimizers``
     builds it (its warm-up schedule is left out: it changes the lr, not the work). LoGRA:
     the library's defaults but for a flat KL budget of ``KL_BUDGET`` and the probe's rows and
     length, which each benchmark sets: ``probe_responses`` rows of at most
@@ -233,11 +229,10 @@ def build_mode(mode: str, model, settings, *, probe_responses: int, probe_max_to
     the (peft-wrapped) model before the optimizer is built, e.g. to FSDP2-shard it.
     ``activation_checkpointing`` and ``lora_rank`` (and LoGRA's ``rank`` among
     ``logra_settings``) change what the benchmarks' default step holds, as a config would."""
-    import torch
-
     from lightning_logra import LoGRAConfig, LoGRAOptimizer
     from lightning_logra.models import enable_activation_checkpointing, with_lora
     from lightning_logra.rl.config import LoRAConfig, OptimizerConfig
+    from lightning_logra.rl.step import build_optimizer
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
@@ -253,9 +248,7 @@ def build_mode(mode: str, model, settings, *, probe_responses: int, probe_max_to
                              probe_responses=probe_responses, probe_max_tokens=probe_max_tokens)
         optimizer = LoGRAOptimizer(model, config, compute_dtype=compute_dtype)
     else:
-        adamw = OptimizerConfig()
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=adamw.lr,
-                                      betas=tuple(adamw.betas), weight_decay=adamw.weight_decay)
+        optimizer = build_optimizer(model.parameters(), OptimizerConfig())
     return Runner(mode, model, optimizer, settings, hooks)
 
 

@@ -1,6 +1,7 @@
 """LoGRACallback: logs what every LoGRA step did. It owns no math and no state that the
-optimizer needs: the strategy runs the step (KL control included) and keeps its
-``StepReport`` in ``trainer.strategy.last_report``; this callback logs it."""
+optimizer needs: the strategy runs the step (KL control included), returns its
+``StepReport`` to the module that stepped and keeps it in ``trainer.strategy.last_report``
+for observers such as this callback, which logs it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_logra.core.memory import memory_report, peak_memory_mib
-from lightning_logra.hooks import last_step_report
+from lightning_logra.hooks import ReportsLoGRASteps
 
 MIB = 2**20
 PROGRESS_BAR_KEYS = ("logra/predicted_kl", "logra/predicted_kl_scaled", "logra/alpha")
@@ -32,7 +33,8 @@ class LoGRACallback(Callback):
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        report = last_step_report(trainer)
+        strategy = trainer.strategy
+        report = strategy.last_report if isinstance(strategy, ReportsLoGRASteps) else None  # None: a dense or LoRA run
         if report is None or report is self._logged:
             return
         self._logged = report

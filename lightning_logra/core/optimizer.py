@@ -2,7 +2,7 @@
 
     optimizer.zero_grad()
     loss.backward()                                   # sketch hooks accumulate S = G A^T
-    report = optimizer.step(probe=ProbeBatch(...))    # -> StepReport
+    report = optimizer.step(logra_inputs=LoGRAStepInputs(probe=ProbeBatch(...)))  # -> StepReport
 
 ``step`` reads like the spec: reduce the sketches and compute the RowAdam directions
 scaled to update_ratio (``prepare_update``), ask the KL controller for a budget, probe
@@ -44,6 +44,8 @@ from lightning_logra.core.reliability import memory_phase
 from lightning_logra.core.report import StepReport
 from lightning_logra.core.row_adam import row_adam_directions
 from lightning_logra.core.sketch import SketchSet, install_sketches
+from lightning_logra.core.step_inputs import LoGRAStepInputs
+from lightning_logra.core.validation import warn_renamed
 from lightning_logra.core.update import (
     PreparedUpdate,
     apply_directions,
@@ -121,29 +123,27 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self,
         closure: Callable[[], Any] | None = None,
         *,
-        probe: ProbeBatch | dict | None = None,
-        logprob_pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-        normalization_tokens: float | torch.Tensor = 1.0,
+        logra_inputs: LoGRAStepInputs | None = None,
         process_group: dist.ProcessGroup | None = None,
         measure_kl: bool = False,
         allow_no_backward: bool = False,
-        record_low_rank: bool = False,
+        **deprecated_inputs: Any,
     ) -> StepReport | None:
         """One LoGRA update: prepare -> budget -> probe -> scale -> apply -> redraw.
 
-        ``probe``: responses to predict the KL on (``ProbeBatch`` or its dict form; its
-        first ``probe_responses`` rows are probed); needed unless ``kl_control`` is off.
-        ``logprob_pairs``: (rollout log-probs, trainer log-probs, mask of EOS-terminated
-        completion tokens) for the mismatch term.
-        ``normalization_tokens``: the global count of loss-bearing tokens when the loss is
-        a sum over tokens (1 for a mean loss). ``process_group``: the data-parallel group
-        (default: the whole world when torch.distributed is initialised). With
-        ``measure_kl`` the true KL of the applied update on the probe is reported too.
-        With ``allow_no_backward``, a step where no rank ran backward returns None and
-        changes nothing (Lightning skips a step whose training_step returned None). With
-        ``record_low_rank`` the report carries the applied update as (alpha D, seed of A)
-        per target, for a rollout engine's low-rank weight sync (a collective when sharded).
+        ``logra_inputs`` (``LoGRAStepInputs``): the probe responses (their first
+        ``probe_responses`` rows are probed; needed unless ``kl_control`` is off), the
+        rollout/trainer log-prob pairs of the mismatch term, the global count of loss-bearing
+        tokens when the loss is a sum over tokens, and whether to record the applied update
+        as (alpha D, seed of A) per target for a low-rank weight sync (a collective when
+        sharded). ``process_group``: the data-parallel group (default: the whole world when
+        torch.distributed is initialised). With ``measure_kl`` the true KL of the applied
+        update on the probe is reported too. With ``allow_no_backward``, a step where no rank
+        ran backward returns None and changes nothing (Lightning skips a step whose
+        training_step returned None). The inputs' fields as keywords (``probe=...``) are
+        deprecated: they warn once and mean the same.
         """
+        inputs = _step_inputs(logra_inputs, deprecated_inputs)
         if closure is not None:
             with torch.enable_grad():
                 closure()
@@ -153,16 +153,16 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self.skip_update()
             return None
         config = self.config
-        probe = _probe_batch(probe, config)
+        probe = _probe_batch(inputs.probe, config)
         timings = {"prepare_s": 0.0, "probe_s": 0.0, "apply_s": 0.0}
         budget = prediction = alpha = measured = None
         try:
             with _timed(timings, "prepare_s"), memory_phase("update", UPDATE_HINT):
-                prepared = self.prepare_update(normalization_tokens=normalization_tokens, process_group=group,
+                prepared = self.prepare_update(normalization_tokens=inputs.normalization_tokens, process_group=group,
                                                backward_calls=calls)
             with _timed(timings, "probe_s"), memory_phase("probe", PROBE_HINT):
                 if probe is not None:
-                    pairs = None if logprob_pairs is None else mismatch_sums(*logprob_pairs)
+                    pairs = None if inputs.logprob_pairs is None else mismatch_sums(*inputs.logprob_pairs)
                     budget = self.controller.budget(self.update_count, pairs, group)
                     prediction = self.predict_kl(probe, group)
                     alpha = self.controller.scale(prediction, budget)
@@ -171,7 +171,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 else:
                     alpha = 1.0
             with _timed(timings, "apply_s"), memory_phase("update", UPDATE_HINT):
-                low_rank = self.apply_update(alpha=alpha, budget=budget, record_low_rank=record_low_rank)
+                low_rank = self.apply_update(alpha=alpha, budget=budget, record_low_rank=inputs.record_low_rank)
             if measure_kl and probe is not None:
                 after = probe_logits(self.model, probe, max_tokens=config.probe_max_tokens, process_group=group)
                 measured = measured_probe_kl(before, after, temperature=self._temperature(probe), process_group=group)
@@ -448,12 +448,27 @@ def _probe_batch(probe: ProbeBatch | dict | None, config: LoGRAConfig) -> ProbeB
         return None
     if probe is None:
         raise ValueError(
-            "LoGRA's KL control needs probe responses: pass step(probe=ProbeBatch(...)) (in Lightning, return "
-            "LoGRAStepInputs(probe=...) from the module's logra_step_inputs(), or train on dict batches with "
-            "'input_ids'), "
-            "or set logra.kl_control=false to step unscaled"
+            "LoGRA's KL control needs probe responses: pass step(logra_inputs=LoGRAStepInputs(probe=ProbeBatch(...))) "
+            "(the same keyword through Lightning's and Fabric's optimizers; a Trainer run may instead train on dict "
+            "batches with 'input_ids', which are probed by default), or set logra.kl_control=false to step unscaled"
         )
     return ProbeBatch.from_mapping(probe).first_rows(config.probe_responses)
+
+
+def _step_inputs(inputs: LoGRAStepInputs | None, deprecated: dict[str, Any]) -> LoGRAStepInputs:
+    """``inputs``, or one built from the deprecated keywords (its fields by name)."""
+    fields = {field.name for field in dataclasses.fields(LoGRAStepInputs)}
+    unknown = sorted(set(deprecated) - fields)
+    if unknown:
+        raise TypeError(f"LoGRAOptimizer.step() got unexpected keyword arguments {unknown}")
+    if not deprecated:
+        return LoGRAStepInputs() if inputs is None else inputs
+    if inputs is not None:
+        raise TypeError(f"LoGRAOptimizer.step() takes logra_inputs or its fields {sorted(deprecated)}, not both")
+    for name in deprecated:
+        warn_renamed("LoGRAOptimizer", f"step({name}=...)", f"step(logra_inputs=LoGRAStepInputs({name}=...))",
+                     stacklevel=4)  # through torch.optim's step wrapper
+    return LoGRAStepInputs(**deprecated)
 
 
 def _data_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:

@@ -150,18 +150,19 @@ def _forwarding_property(owner: str, old: str, new: str) -> property:
         if sys._getframe(1).f_globals.get("__name__") == "dataclasses":
             # dataclasses.replace() reads every InitVar to pass it on: the old name was not given.
             return None
-        _warn_renamed(owner, old, new, stacklevel=2)
+        warn_renamed(owner, old, new, stacklevel=2)
         return getattr(self, new)
 
     def write(self, value):
-        _warn_renamed(owner, old, new, stacklevel=2)
+        warn_renamed(owner, old, new, stacklevel=2)
         setattr(self, new, value)
 
     return property(read, write, doc=f"Deprecated: use ``{new}``.")
 
 
-def _warn_renamed(owner: str, old: str, new: str, stacklevel: int) -> None:
-    """``stacklevel`` counts from the caller (1: the caller itself)."""
+def warn_renamed(owner: str, old: str, new: str, stacklevel: int = 2) -> None:
+    """A ``FutureWarning`` that ``<owner>.<old>`` is deprecated for ``new``, once per name per
+    process. ``stacklevel`` counts from the caller (1: the caller itself)."""
     key = f"{owner}.{old}"
     if key not in _warned_aliases:
         _warned_aliases.add(key)
@@ -184,7 +185,7 @@ def renamed_field(owner: str, old: str, new: str, old_value: Any, new_value: Any
     if new_value != new_default:
         raise ValueError(f"{owner}.{old} = {old_value!r} and {owner}.{new} = {new_value!r} are both given: "
                          f"{old} is the deprecated name of {new}; give {new} only")
-    _warn_renamed(owner, old, new, stacklevel=stacklevel)
+    warn_renamed(owner, old, new, stacklevel=stacklevel)
     return old_value
 
 

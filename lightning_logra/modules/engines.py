@@ -1,24 +1,24 @@
-"""Keeping the rollout engine in step with training: the module reads each LoGRA update's
-low-rank form off the trainer's strategy (``hooks.last_step_report``) and syncs the engine
-once per training step, in full or by those updates. Here, not in ``rollout/``, because it
-needs Lightning's trainer."""
+"""Keeping the rollout engine in step with training: the module keeps the low-rank form of
+each LoGRA update its optimizer steps returned and syncs the engine once per training step,
+in full or by those updates. Here, not in ``rollout/``, because the module layer owns its
+engine."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from lightning_logra.hooks import last_step_report
+from lightning_logra.core.report import StepReport
 from lightning_logra.rollout.base import RolloutEngine
 from lightning_logra.rollout.config import RolloutConfig
 
 
-def step_low_rank_updates(trainer) -> list:
+def step_low_rank_updates(report: StepReport | None, strategy: object) -> list:
     """The low-rank form of the LoGRA update that just ran (``[]`` when it was skipped), from
-    its ``StepReport``, for the next weight sync."""
-    report = last_step_report(trainer)
+    the ``StepReport`` its optimizer step returned, for the next weight sync. No report: the
+    step was no LoGRA update (``strategy`` is named in the error)."""
     if report is None:
         raise ValueError("rollout.weight_sync='lowrank' needs every optimizer step to be a LoGRA update "
-                         f"(strategy logra_fsdp); this run's strategy is {type(trainer.strategy).__name__}")
+                         f"(strategy logra_fsdp); this run's strategy is {type(strategy).__name__}")
     return list(report.low_rank_updates or [])
 
 

@@ -22,7 +22,7 @@ from torchmetrics import MeanMetric
 from lightning_logra.core.reliability import memory_phase
 from lightning_logra.core.validation import deprecated_attributes, renamed_field
 from lightning_logra.data import PromptDataModule
-from lightning_logra.hooks import LoGRAStepInputs
+from lightning_logra.hooks import ReportsLoGRASteps
 from lightning_logra.models import build_model, load_tokenizer, model_source, with_lora
 from lightning_logra.modules.arguments import check_arguments
 from lightning_logra.modules.completions import completion_table, log_completion_table
@@ -42,17 +42,17 @@ from lightning_logra.rl.batch import (
     BACKWARD_HINT,
     MicroBatching,
     RolloutBatch,
-    backward_micro_batches,
     batch_logprobs,
     mini_batch_rows,
     step_kl_terms,
 )
 from lightning_logra.rl.collectives import any_rank, gather_objects, gather_ranks
-from lightning_logra.rl.config import LoRAConfig, LossConfig, MultiTurnConfig, OptimizerConfig, lr_factor
+from lightning_logra.rl.config import LoRAConfig, LossConfig, MultiTurnConfig, OptimizerConfig
 from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE
 from lightning_logra.rl.losses import NonFiniteRewards, RunningBaseline, group_advantages
 from lightning_logra.rl.metrics import PassTotals, PhaseClock, step_metrics
 from lightning_logra.rl.packing import check_packing
+from lightning_logra.rl.step import build_lr_schedule, build_optimizer, run_update
 from lightning_logra.rl.sampling import (
     ScoredRollouts,
     draw_prompts,
@@ -236,8 +236,6 @@ class GRPOModule(L.LightningModule):
         self._engine = None
         self._empty_updates_in_a_row = 0
         self._warned_unscored = False
-        # The update whose optimizer step is running: what logra_step_inputs() reads.
-        self._stepping: tuple[RolloutBatch, slice, torch.Tensor] | None = None
         self._low_rank_updates: list[list] = []
 
     def configure_model(self) -> None:
@@ -263,21 +261,6 @@ class GRPOModule(L.LightningModule):
     def logra_frozen_models(self) -> list[torch.nn.Module]:
         """The KL reference, which logra_fsdp keeps in the compute dtype and shards like the policy."""
         return [] if self.reference is None else [self.reference]
-
-    def logra_step_inputs(self) -> LoGRAStepInputs:
-        """The running update's rollouts as the probe batch, its rollout/trainer log-prob
-        pairs at the weights that sampled, and whether to record the update for a low-rank
-        weight sync (``rollout.weight_sync: lowrank``). The loss is a mean: 1 token."""
-        if self._stepping is None:
-            raise RuntimeError("logra_step_inputs() is called by the strategy during an optimizer step only")
-        batch, rows, trainer_logprobs = self._stepping
-        return LoGRAStepInputs(
-            probe=batch.probe_batch(rows, num_generations=self.rollout_config.num_generations,
-                                    temperature=self.rollout_config.temperature,
-                                    packed=self.micro_batch_tokens is not None),
-            logprob_pairs=batch.logprob_pairs(rows, trainer_logprobs),
-            record_low_rank=self.rollout_config.weight_sync == "lowrank",
-        )
 
     def setup(self, stage: str) -> None:
         """Check a ``PromptDataModule``'s prompts against the rewards and the model (Lightning
@@ -354,38 +337,34 @@ class GRPOModule(L.LightningModule):
         self._log_completions(scored, first_step)
 
     def _update(self, batch: RolloutBatch, rows: slice, passes: PassTotals, phases: PhaseClock) -> torch.Tensor | None:
-        """One optimizer step on the rollout rows ``rows``: micro-batched forward/backward,
-        then ``optimizer.step()`` (under logra_fsdp the whole LoGRA update). Returns the
-        detached trainer log-probs of ``rows``, or None when no rank has a token to train on
-        there (``loss.mask_truncated`` and every completion cut off): then nothing runs."""
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        trained = backward_micro_batches(self.policy, batch, rows, self._micro_batching, backward=self.manual_backward,
-                                         passes=passes, world=self.trainer.world_size)
-        if trained is None:
+        """One optimizer step on the rollout rows ``rows`` (``rl.step.run_update``): under
+        logra_fsdp the step is handed its inputs (``logra_inputs``) and returns its
+        ``StepReport``. Returns the detached trainer log-probs of ``rows``, or None when no
+        rank has a token to train on there (``loss.mask_truncated`` and every completion cut
+        off): then nothing runs."""
+        lowrank = self.rollout_config.weight_sync == "lowrank"
+        update = run_update(self.policy, self.optimizers(), batch, rows, self._micro_batching,
+                            backward=self.manual_backward, passes=passes, world=self.trainer.world_size,
+                            num_generations=self.rollout_config.num_generations,
+                            logra=isinstance(self.trainer.strategy, ReportsLoGRASteps), record_low_rank=lowrank,
+                            after_backward=lambda: phases.lap("forward_backward"))
+        if update is None:
             self._count_empty_update(passes)
             return None
-        phases.lap("forward_backward")
-        # The mismatch pairs compare the rollout log-probs with the weights that sampled.
-        self._stepping = (batch, rows, trained if batch.old_logprobs is None else batch.old_logprobs[rows])
-        try:
-            optimizer.step()  # under logra_fsdp: the whole LoGRA update, split further in perf/logra_*
-        finally:
-            self._stepping = None
-        if self.rollout_config.weight_sync == "lowrank":
-            self._low_rank_updates.append(step_low_rank_updates(self.trainer))
+        if lowrank:
+            self._low_rank_updates.append(step_low_rank_updates(update.report, self.trainer.strategy))
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
         passes.updates += 1
         self._empty_updates_in_a_row = 0
-        phases.lap("optimizer_step")
+        phases.lap("optimizer_step")  # under logra_fsdp the whole LoGRA update, split further in perf/logra_*
         if self.measure_step_kl:
-            passes.add_step_kl(*step_kl_terms(self.policy, batch, rows, trained, self._micro_batching))
+            passes.add_step_kl(*step_kl_terms(self.policy, batch, rows, update.trainer_logprobs, self._micro_batching))
             if hasattr(self.policy, "reshard"):  # as for the reference: no backward follows this forward
                 self.policy.reshard()
             phases.lap("step_kl")
-        return trained
+        return update.trainer_logprobs
 
     @property
     def _micro_batching(self) -> MicroBatching:
@@ -509,10 +488,14 @@ class GRPOModule(L.LightningModule):
 
     # Optimizer: AdamW with linear warm-up and cosine decay (the paper's dense baseline) -------
     def configure_optimizers(self):
-        config = self.optimizer_config
-        parameters = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(parameters, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
+        """AdamW over the trainable parameters and its warm-up + cosine schedule
+        (``rl.step``). Dense and LoRA runs step it. Under ``logra_fsdp`` it is the handle
+        Lightning's optimizer steps go through, and LoGRA's update runs inside each: the
+        strategy freezes the policy after building it (unless ``train_non_targets``, when it
+        steps the non-targets), so it never sees a gradient and keeps no state; its schedule
+        sets LoGRA's step size only when ``logra.follow_lr_schedule`` is on."""
+        optimizer = build_optimizer(self.policy.parameters(), self.optimizer_config)
+        scheduler = build_lr_schedule(optimizer, self.optimizer_config)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # Rollout engine, built once the strategy has placed the model -----------------------------

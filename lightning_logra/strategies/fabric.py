@@ -3,12 +3,11 @@
 Build the model under ``fabric.init_module(empty_init=True)`` (on the meta device: each rank
 gets storage for its own shard only; a Hugging Face model reads it from its safetensors
 files) and set it up first (``model = fabric.setup_module(model)``), then create and set up
-the optimizer over its parameters, as FSDP2 requires. ``optimizer.step()`` applies the
-LoGRA update to the targets, scaled to the KL budget on the probe batch of the module's
-``logra_step_inputs()`` (``lightning_logra.hooks``), then steps the optimizer (non-targets,
-if trainable).
-``strategy.last_report`` tells what the step did (``.metrics()`` for ``fabric.log_dict``).
-``fabric.save`` / ``fabric.load`` include LoGRA's state.
+the optimizer over its parameters, as FSDP2 requires. Each step hands its inputs down:
+``report = fabric.strategy.logra_step(optimizer, LoGRAStepInputs(probe=...))`` applies the
+LoGRA update to the targets, scaled to the KL budget on that probe batch, then steps the
+optimizer (non-targets, if trainable), and returns the ``StepReport`` (``.metrics()`` for
+``fabric.log_dict``). ``fabric.save`` / ``fabric.load`` include LoGRA's state.
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_logra.core.config import LoGRAConfig
+from lightning_logra.core.report import StepReport
+from lightning_logra.core.step_inputs import LoGRAStepInputs
 from lightning_logra.strategies.checkpoints.folder import split_state
 from lightning_logra.strategies.checkpoints.strategy import CheckpointFoldersMixin
 from lightning_logra.strategies.checkpoints.writer_lock import DEFAULT_LEASE_S
@@ -74,7 +75,6 @@ class LoGRAFabricStrategy(LoGRARuntimeMixin, DataParallelShardingMixin, Checkpoi
         self._init_runtime(logra, train_non_targets, measure_kl=measure_kl)
         self._init_sharding(layer_classes)
         self._init_checkpoints(checkpoint_lock_lease_s)
-        self._module: nn.Module | None = None
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -84,7 +84,6 @@ class LoGRAFabricStrategy(LoGRARuntimeMixin, DataParallelShardingMixin, Checkpoi
         if not self._shards_policy():
             module.to(self.root_device)  # Lightning leaves placement to fully_shard, which did not run
         self.runtime.install(module, compute_dtype=compute_dtype)
-        self._module = module
         return module
 
     def _compute_dtype(self) -> torch.dtype | None:
@@ -97,8 +96,25 @@ class LoGRAFabricStrategy(LoGRARuntimeMixin, DataParallelShardingMixin, Checkpoi
 
     @override
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
-        self.runtime.step(self._module, optimizer, batch=None, process_group=self._data_parallel_group())
+        """``optimizer.step()`` in a Fabric loop: the LoGRA update with no inputs (so no
+        probe: only with ``kl_control`` off), then the user's optimizer. Use ``logra_step``
+        to hand the step its inputs."""
+        self.runtime.step(optimizer, LoGRAStepInputs(), process_group=self._data_parallel_group())
         return super().optimizer_step(optimizer, **kwargs)
+
+    def logra_step(self, optimizer: torch.optim.Optimizer, logra_inputs: LoGRAStepInputs) -> StepReport:
+        """One optimizer step with this step's inputs (the probe responses, log-prob pairs,
+        token count): the LoGRA update of the targets, then ``optimizer`` (Fabric's
+        wrapper or the optimizer itself) on the non-targets, if any are trainable. Returns
+        the update's ``StepReport`` (``.metrics()`` for ``fabric.log_dict``). Fabric's
+        ``optimizer.step()`` takes no arguments, hence this method."""
+        if not isinstance(logra_inputs, LoGRAStepInputs):
+            raise TypeError(f"logra_step(optimizer, logra_inputs) takes a LoGRAStepInputs, got "
+                            f"{type(logra_inputs).__name__}")
+        user_optimizer = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper would step again
+        report = self.runtime.step(user_optimizer, logra_inputs, process_group=self._data_parallel_group())
+        super().optimizer_step(user_optimizer)
+        return report
 
     @override
     def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any = None, filter: Any = None) -> None:

@@ -1,5 +1,5 @@
 """LoGRA's runtime in a strategy: the precision it computes in, installing its optimizer,
-one update per optimizer step with the inputs the module offers (``hooks.py``), and
+one update per optimizer step with the inputs handed down with it (``hooks.py``), and
 saving / restoring its state. No algorithm lives here: one ``LoGRAOptimizer.step`` call
 does the update."""
 
@@ -17,7 +17,8 @@ from lightning_logra.core.config import LoGRAConfig
 from lightning_logra.core.optimizer import LoGRAOptimizer
 from lightning_logra.core.reliability import verify_ranks_agree
 from lightning_logra.core.report import StepReport
-from lightning_logra.hooks import found_hooks, step_inputs
+from lightning_logra.core.step_inputs import LoGRAStepInputs
+from lightning_logra.hooks import found_hooks
 from lightning_logra.strategies.checkpoints import logra_state
 from lightning_logra.strategies.sharding import policy_module
 
@@ -38,7 +39,7 @@ def compute_dtype_for(precision: str) -> torch.dtype | None:
 
 class LoGRARuntime:
     """Owns a strategy's LoGRA optimizer: installs it, runs one step per optimizer step
-    with what the module offers, and saves / restores its state."""
+    with the inputs given to that step, and saves / restores its state."""
 
     def __init__(self, config: LoGRAConfig, *, train_non_targets: bool, measure_kl: bool = False) -> None:
         self.config = config
@@ -97,29 +98,20 @@ class LoGRARuntime:
 
     def step(
         self,
-        module: nn.Module,
         user_optimizer: torch.optim.Optimizer | None,
+        inputs: LoGRAStepInputs,
         *,
-        batch: Any,
         process_group: dist.ProcessGroup | None,
         allow_no_backward: bool = False,
     ) -> StepReport | None:
-        """Ask the module for this step's inputs once (``hooks.step_inputs``) and run the
-        core's one-call update. A skipped step also clears the user's gradients."""
+        """The core's one-call update with the inputs the caller handed down. A skipped step
+        also clears the user's gradients."""
         optimizer = self._require_optimizer()
         if self.config.follow_lr_schedule and user_optimizer is not None and self.base_lr:
             lr = float(user_optimizer.param_groups[0]["lr"])
             optimizer.param_groups[0]["lr"] = self.config.update_ratio * lr / self.base_lr
-        inputs = step_inputs(module, batch)
-        report = optimizer.step(
-            probe=inputs.probe,
-            logprob_pairs=inputs.logprob_pairs,
-            normalization_tokens=inputs.normalization_tokens,
-            process_group=process_group,
-            measure_kl=self.measure_kl,
-            allow_no_backward=allow_no_backward,
-            record_low_rank=inputs.record_low_rank,
-        )
+        report = optimizer.step(logra_inputs=inputs, process_group=process_group, measure_kl=self.measure_kl,
+                                allow_no_backward=allow_no_backward)
         if report is not None and report.skipped and user_optimizer is not None:
             user_optimizer.zero_grad(set_to_none=True)
         self.last_report = report
@@ -148,7 +140,7 @@ class LoGRARuntime:
 
 class LoGRARuntimeMixin:
     """What both strategy classes expose of LoGRA: its configuration, the runtime, the
-    optimizer and the last step's report."""
+    optimizer and the last step's report (for observers; a step returns its own)."""
 
     def _init_runtime(self, logra: LoGRAConfig | None, train_non_targets: bool, measure_kl: bool = False) -> None:
         self.logra_config = logra if logra is not None else LoGRAConfig()

@@ -16,6 +16,9 @@ from typing_extensions import override
 
 from lightning_logra.callbacks.logra import LoGRACallback
 from lightning_logra.core.config import LoGRAConfig
+from lightning_logra.core.report import StepReport
+from lightning_logra.core.step_inputs import LoGRAStepInputs
+from lightning_logra.hooks import with_default_probe
 from lightning_logra.strategies.checkpoints.recovery import recover_checkpoint_folders, written_checkpoint_folders
 from lightning_logra.strategies.checkpoints.strategy import CheckpointFoldersMixin
 from lightning_logra.strategies.checkpoints.writer_lock import DEFAULT_LEASE_S, hold
@@ -41,10 +44,12 @@ class LoGRAFSDPStrategy(LoGRARuntimeMixin, DataParallelShardingMixin, Checkpoint
     ``train_non_targets=True``, in which case your optimizer steps them. LoGRA's step size is
     ``logra.update_ratio``, constant unless ``logra.follow_lr_schedule`` is set.
 
-    The LightningModule may provide the hooks of ``lightning_logra.hooks``: ``logra_model()``
-    (the module to train), ``logra_frozen_models()`` (e.g. a KL reference) and
-    ``logra_step_inputs()`` (the probe batch, log-prob pairs and token count of a step;
-    default: the training batch as the probe, a mean loss). They are checked at setup.
+    Each step's inputs go down with it: ``report = self.optimizers().step(logra_inputs=
+    LoGRAStepInputs(...))`` (the probe batch, log-prob pairs and token count of a step)
+    returns the update's ``StepReport``; a step without them probes the training batch (a
+    dict with ``input_ids``) with a mean loss. The LightningModule may provide the hooks of
+    ``lightning_logra.hooks``: ``logra_model()`` (the module to train) and
+    ``logra_frozen_models()`` (e.g. a KL reference), checked at setup.
 
     Args:
         logra: LoGRA's settings (``LoGRAConfig``; the paper's defaults).
@@ -129,19 +134,27 @@ class LoGRAFSDPStrategy(LoGRARuntimeMixin, DataParallelShardingMixin, Checkpoint
         return super().training_step(*args, **kwargs)
 
     @override
-    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
-        """Run the closure (training_step + backward), then the LoGRA update, then the
-        user's optimizer (non-target parameters, if any are trainable)."""
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, logra_inputs: LoGRAStepInputs | None = None,
+                       **kwargs: Any) -> StepReport | None:
+        """Run the closure (training_step + backward), then the LoGRA update with
+        ``logra_inputs`` (``self.optimizers().step(logra_inputs=...)`` passes them here;
+        without them the training batch is probed, ``hooks.with_default_probe``), then the
+        user's optimizer (non-target parameters, if any are trainable). Returns the update's
+        ``StepReport`` (None when no rank ran backward)."""
         module = self.lightning_module
+        report: StepReport | None = None
 
         def closure_then_logra_update() -> Any:
+            nonlocal report
             result = closure()
             # Automatic optimization skips a step whose training_step returned None.
-            self.runtime.step(module, optimizer, batch=self._batch, process_group=self._data_parallel_group(),
-                              allow_no_backward=module.automatic_optimization)
+            report = self.runtime.step(optimizer, with_default_probe(logra_inputs, self._batch),
+                                       process_group=self._data_parallel_group(),
+                                       allow_no_backward=module.automatic_optimization)
             return result
 
-        return super().optimizer_step(optimizer, closure_then_logra_update, model, **kwargs)
+        super().optimizer_step(optimizer, closure_then_logra_update, model, **kwargs)
+        return report
 
     # Checkpoints: always a folder of shards (one per rank), LoGRA's state in its own folder.
     @override

@@ -4,7 +4,7 @@ the trainer's bit for bit, for a fraction of a full weight's bytes."""
 import pytest
 import torch
 
-from lightning_logra import ProbeBatch
+from lightning_logra import LoGRAStepInputs, ProbeBatch
 from tests.helpers.core import backward, qwen2_and_optimizer, weights
 
 
@@ -15,7 +15,7 @@ def test_low_rank_updates_reproduce_the_trainers_weights_exactly(redraw_projecti
     for step in range(3):  # A is redrawn after every update (redraw_projections): each step has its own seeds
         projections = [state.projection.clone() for state in optimizer.sketches]
         batch = backward(model, optimizer, step)
-        report = optimizer.step(probe=ProbeBatch.from_token_batch(batch), record_low_rank=True)
+        report = optimizer.step(logra_inputs=LoGRAStepInputs(ProbeBatch.from_token_batch(batch), record_low_rank=True))
         assert not report.skipped and report.alpha > 0
         updates = report.low_rank_updates
         assert [u.name for u in updates] == [f"{state.name}.weight" for state in optimizer.sketches]
@@ -29,7 +29,7 @@ def test_low_rank_updates_reproduce_the_trainers_weights_exactly(redraw_projecti
 def test_a_low_rank_update_costs_rank_over_width_of_a_full_one():
     model, optimizer = qwen2_and_optimizer()
     batch = backward(model, optimizer, 0)
-    report = optimizer.step(probe=ProbeBatch.from_token_batch(batch), record_low_rank=True)
+    report = optimizer.step(logra_inputs=LoGRAStepInputs(ProbeBatch.from_token_batch(batch), record_low_rank=True))
     low_rank = sum(update.nbytes for update in report.low_rank_updates)
     full = sum(state.weight.numel() * state.weight.element_size() for state in optimizer.sketches)
     rows = sum(state.weight.shape[0] for state in optimizer.sketches)
@@ -40,5 +40,5 @@ def test_a_low_rank_update_costs_rank_over_width_of_a_full_one():
 def test_nothing_is_recorded_unless_asked():
     model, optimizer = qwen2_and_optimizer()
     batch = backward(model, optimizer, 0)
-    report = optimizer.step(probe=ProbeBatch.from_token_batch(batch))
+    report = optimizer.step(logra_inputs=LoGRAStepInputs(ProbeBatch.from_token_batch(batch)))
     assert report.low_rank_updates is None

@@ -8,6 +8,7 @@ from torch import nn
 from lightning_logra import (
     LoGRAConfig,
     LoGRAOptimizer,
+    LoGRAStepInputs,
     ProbeBatch,
     install_sketches,
     make_projection,
@@ -175,7 +176,7 @@ def test_probe_and_step_run_with_shared_projections():
     optimizer = LoGRAOptimizer(model, SHARED)
     batch = tokens_2x7()
     model(input_ids=batch, labels=batch).loss.backward()
-    report = optimizer.step(probe=ProbeBatch.from_token_batch(batch))
+    report = optimizer.step(logra_inputs=LoGRAStepInputs(ProbeBatch.from_token_batch(batch)))
     assert not report.skipped and report.predicted_kl > 0 and optimizer.update_count == 1
 
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from lightning_logra import ProbeBatch, probe_predicted_kl, scheduled_budget
+from lightning_logra import LoGRAStepInputs, ProbeBatch, probe_predicted_kl, scheduled_budget
+from lightning_logra.core import validation
 from lightning_logra.core.probe import EmptyProbeError
 from tests.helpers.core import backward, qwen2_and_optimizer, weights
 
@@ -18,11 +19,31 @@ def eos_pairs(observed_gap: float, eos: bool):
     return trainer_logprobs + observed_gap, trainer_logprobs, mask
 
 
+def test_the_inputs_fields_as_keywords_warn_once_and_step_the_same():
+    """The keywords of earlier versions (``step(probe=...)``) are deprecated aliases of
+    ``logra_inputs``: the same update, bit for bit, and one FutureWarning naming the new form."""
+    new_model, new = qwen2_and_optimizer()
+    batch = backward(new_model, new, 0)
+    expected = new.step(logra_inputs=LoGRAStepInputs(ProbeBatch.from_token_batch(batch), eos_pairs(0.3, eos=True)))
+    old_model, old = qwen2_and_optimizer()
+    backward(old_model, old, 0)
+    validation._warned_aliases.discard("LoGRAOptimizer.step(probe=...)")
+    with pytest.warns(FutureWarning, match=r"LoGRAOptimizer.step\(probe=...\) is deprecated: use "
+                                           r"step\(logra_inputs=LoGRAStepInputs\(probe=...\)\)"):
+        report = old.step(probe=ProbeBatch.from_token_batch(batch), logprob_pairs=eos_pairs(0.3, eos=True))
+    assert report.alpha == expected.alpha and report.mismatch == expected.mismatch
+    assert all(torch.equal(a, b) for a, b in zip(weights(old), weights(new)))
+    with pytest.raises(TypeError, match="not both"):
+        old.step(logra_inputs=LoGRAStepInputs(), probe=ProbeBatch.from_token_batch(batch))
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['prob'\]"):
+        old.step(prob=ProbeBatch.from_token_batch(batch))
+
+
 def test_step_runs_the_whole_update_and_reports_it():
     model, optimizer = qwen2_and_optimizer()
     batch = backward(model, optimizer, 0)
     before = weights(optimizer)
-    report = optimizer.step(probe=ProbeBatch.from_token_batch(batch))
+    report = optimizer.step(logra_inputs=LoGRAStepInputs(probe=ProbeBatch.from_token_batch(batch)))
     assert optimizer.update_count == 1 and not report.skipped and report.update == 0
     assert not any(torch.equal(a, b) for a, b in zip(before, weights(optimizer)))
     assert report.budget == scheduled_budget(optimizer.config, 0)
@@ -52,7 +73,7 @@ def test_step_predicts_on_the_first_probe_responses_only():
 def test_measured_kl_of_the_applied_step_matches_the_prediction():
     model, optimizer = qwen2_and_optimizer()
     batch = backward(model, optimizer, 0)
-    report = optimizer.step(probe=ProbeBatch.from_token_batch(batch), measure_kl=True)
+    report = optimizer.step(logra_inputs=LoGRAStepInputs(probe=ProbeBatch.from_token_batch(batch)), measure_kl=True)
     assert report.measured_kl > 0
     # second-order prediction of a small step: a few percent on a tiny model
     assert report.measured_kl == pytest.approx(report.predicted_kl_scaled, rel=0.05)
@@ -76,14 +97,14 @@ def test_probe_temperature_is_the_sampling_temperature_unless_set():
 def test_mismatch_updates_only_on_eos_terminated_responses():
     model, optimizer = qwen2_and_optimizer(kl_budget=1.0, kl_budget_final=1.0)
     batch = backward(model, optimizer, 0)
-    report = optimizer.step(probe=ProbeBatch.from_token_batch(batch), logprob_pairs=eos_pairs(0.3, eos=True))
+    report = optimizer.step(logra_inputs=LoGRAStepInputs(ProbeBatch.from_token_batch(batch), eos_pairs(0.3, eos=True)))
     assert report.mismatch == pytest.approx(0.3 * 0.3) and report.budget == pytest.approx(1.0 - 0.09)
     backward(model, optimizer, 1)
-    report = optimizer.step(probe=ProbeBatch.from_token_batch(batch), logprob_pairs=eos_pairs(0.3, eos=False))
+    report = optimizer.step(logra_inputs=LoGRAStepInputs(ProbeBatch.from_token_batch(batch), eos_pairs(0.3, eos=False)))
     # no EOS-terminated response: the EMA and the budget are untouched
     assert report.mismatch == pytest.approx(0.09) and report.budget == 1.0
     backward(model, optimizer, 2)
-    report = optimizer.step(probe=ProbeBatch.from_token_batch(batch), logprob_pairs=None)
+    report = optimizer.step(logra_inputs=LoGRAStepInputs(ProbeBatch.from_token_batch(batch), None))
     assert report.mismatch == pytest.approx(0.09) and report.budget == 1.0
 
 
@@ -93,13 +114,13 @@ def test_a_probe_with_no_scored_position_skips_the_step_instead_of_an_unscaled_o
     nothing = ProbeBatch(batch, torch.ones_like(batch), torch.zeros_like(batch, dtype=torch.bool))
     before = weights(optimizer)
     with pytest.warns(UserWarning, match="skipped a step .*scored no position"):
-        report = optimizer.step(probe=nothing)
+        report = optimizer.step(logra_inputs=LoGRAStepInputs(probe=nothing))
     assert report.skipped and report.alpha is None and report.skipped_steps == optimizer.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, weights(optimizer))) and optimizer.update_count == 0
     _, raising = qwen2_and_optimizer(on_nonfinite="raise")
     backward(raising.model, raising, 0)
     with pytest.raises(EmptyProbeError, match="scored no position"):
-        raising.step(probe=nothing)
+        raising.step(logra_inputs=LoGRAStepInputs(probe=nothing))
 
 
 def test_kl_control_needs_a_probe_and_can_be_turned_off():
@@ -123,7 +144,7 @@ def test_step_without_backward_anywhere_does_nothing_when_allowed():
 def test_state_is_tensors_only_and_loads_with_weights_only():
     model, optimizer = qwen2_and_optimizer()
     batch = backward(model, optimizer, 0)
-    optimizer.step(probe=ProbeBatch.from_token_batch(batch), logprob_pairs=eos_pairs(0.2, eos=True))
+    optimizer.step(logra_inputs=LoGRAStepInputs(ProbeBatch.from_token_batch(batch), eos_pairs(0.2, eos=True)))
     buffer = io.BytesIO()
     torch.save(optimizer.state_dict(), buffer)
     buffer.seek(0)
@@ -138,7 +159,7 @@ def test_state_is_tensors_only_and_loads_with_weights_only():
 def test_resuming_with_other_tuning_fields_warns_with_old_and_new_values():
     model, optimizer = qwen2_and_optimizer()
     batch = backward(model, optimizer, 0)
-    optimizer.step(probe=ProbeBatch.from_token_batch(batch))
+    optimizer.step(logra_inputs=LoGRAStepInputs(probe=ProbeBatch.from_token_batch(batch)))
     _, changed = qwen2_and_optimizer(kl_budget=3e-4, update_ratio=5e-3)
     with pytest.warns(UserWarning, match=r"changed settings: update_ratio: 0.01 -> 0.005; kl_budget: 0.0001 -> 0.0003$"):
         changed.load_state_dict(optimizer.state_dict())

@@ -120,7 +120,7 @@ def fit_with_reference(folder, precision, devices=1):
     the module keeps every step's inputs in ``grpo.probes``."""
     grpo = grpo_module(folder, loss=LossConfig(kl_coef=0.1))
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
-    grpo.probes = record_step_inputs(grpo)
+    grpo.probes = record_step_inputs(strategy)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False, precision=precision,

@@ -121,15 +121,20 @@ class TinyCausalLM(CausalLM):
         return loader(self.batch_size)
 
 
-def record_step_inputs(module) -> list:
-    """Keep every ``LoGRAStepInputs`` the strategy asks ``module`` for, one per optimizer step."""
-    recorded, step_inputs = [], module.logra_step_inputs
+def record_step_inputs(strategy) -> list:
+    """Keep every ``LoGRAStepInputs`` handed down to ``strategy``'s LoGRA steps, one per
+    optimizer step (nothing under a strategy that is not logra_fsdp)."""
+    recorded = []
+    runtime = getattr(strategy, "runtime", None)
+    if runtime is None:
+        return recorded
+    step = runtime.step
 
-    def recording():
-        recorded.append(step_inputs())
-        return recorded[-1]
+    def recording(user_optimizer, inputs, **kwargs):
+        recorded.append(inputs)
+        return step(user_optimizer, inputs, **kwargs)
 
-    module.logra_step_inputs = recording
+    runtime.step = recording
     return recorded
 
 
@@ -181,7 +186,7 @@ def fabric_loop(fabric, rank, world) -> list[torch.Tensor]:
         for step in range(3):
             batch = rows[step * 4 : (step + 1) * 4].chunk(world)[rank]
             fabric.backward(module.loss({"input_ids": batch, "attention_mask": torch.ones_like(batch)}))
-            optimizer.step()
+            optimizer.step()  # no inputs: kl_control is off
             optimizer.zero_grad()
     return trained_weights(fabric.strategy)
 
@@ -196,7 +201,7 @@ class ProbedLM(CausalLM):
         self.last_batch = batch
         return super().loss(batch)
 
-    def logra_step_inputs(self):
+    def step_inputs(self) -> LoGRAStepInputs:
         trainer_logprobs = torch.full((2, 3), -1.0)
         return LoGRAStepInputs(
             probe=ProbeBatch.from_token_batch(self.last_batch["input_ids"], self.last_batch["attention_mask"]),
@@ -221,7 +226,7 @@ def fabric_run(devices, steps, save_to=None, load_from=None, start=0, logra=None
         for step in range(state["step"], steps):
             batch = rows[step * 4 : (step + 1) * 4].chunk(fabric.world_size)[fabric.global_rank]
             fabric.backward(module.loss({"input_ids": batch, "attention_mask": torch.ones_like(batch)}))
-            optimizer.step()
+            strategy.logra_step(optimizer, module.step_inputs())
             optimizer.zero_grad()
             state["step"] = step + 1
         if save_to is not None:

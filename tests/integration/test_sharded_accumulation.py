@@ -4,7 +4,7 @@ the per-step reduction (local)."""
 import pytest
 import torch
 
-from lightning_logra import LoGRAConfig, LoGRAOptimizer, memory_report
+from lightning_logra import LoGRAConfig, LoGRAOptimizer, LoGRAStepInputs, memory_report
 from tests.helpers.core import MLP_TARGETS, OddRowMlp, full  # OddRowMlp.up_proj: 301 rows, 151 + 150 under FSDP2
 from tests.helpers.distributed import run_on_two_ranks
 
@@ -137,7 +137,7 @@ def _nonfinite_worker(rank, world):
     optimizer.sketches.accumulator.wait()  # the rows that reached this rank so far
     owned_finite = bool(torch.isfinite(optimizer.sketches.states[0].sketch).all())
     with pytest.warns(UserWarning, match="skipped a step"):
-        report = optimizer.step(normalization_tokens=4)
+        report = optimizer.step(logra_inputs=LoGRAStepInputs(normalization_tokens=4))
     after = [full(s.weight) for s in optimizer.sketches]
     return {"owned_finite": owned_finite, "skipped": report.skipped, "updates": optimizer.update_count,
             "unchanged": all(torch.equal(a, b) for a, b in zip(before, after)),
@@ -163,7 +163,7 @@ def _uneven_worker(rank, world):
     micro_batches = batches(rank, 1, 2 if rank == 0 else 1)[0]
     sum(model(x).square().sum() for x in micro_batches).backward()
     with pytest.raises(RuntimeError, match="different numbers of backward passes") as error:
-        optimizer.step(normalization_tokens=4)
+        optimizer.step(logra_inputs=LoGRAStepInputs(normalization_tokens=4))
     return {"message": str(error.value), "unchanged": all(torch.equal(a, full(s.weight)) for a, s in zip(before, optimizer.sketches))}
 
 

@@ -41,9 +41,10 @@ class RecordingLogger(Logger):
 class WithMismatch(CausalLM):
     """Reports a rollout/trainer gap of exactly 0.3 nats per token."""
 
-    def logra_step_inputs(self):
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
         trainer_logprobs = torch.full((2, 3), -1.0)
-        return LoGRAStepInputs(logprob_pairs=(trainer_logprobs + 0.3, trainer_logprobs, torch.ones(2, 3)))
+        pairs = (trainer_logprobs + 0.3, trainer_logprobs, torch.ones(2, 3))
+        optimizer.step(closure=optimizer_closure, logra_inputs=LoGRAStepInputs(logprob_pairs=pairs))
 
 
 def fit(module, logra, steps=3):

@@ -1,5 +1,5 @@
 """modules/engines.py: the module keeps its rollout engine in step with training, in full
-or by the LoGRA updates each optimizer step reported."""
+or by the LoGRA updates each optimizer step returned."""
 
 from types import SimpleNamespace
 
@@ -16,14 +16,6 @@ class RecordingEngine:
 
     def sync_weights(self, policy, low_rank_updates=None) -> None:
         self.syncs.append((policy, low_rank_updates))
-
-
-class ReportingStrategy:
-    """Offers what both logra_fsdp strategies do (hooks.ReportsLoGRASteps)."""
-
-    def __init__(self, report) -> None:
-        self.last_report = report
-        self.logra_optimizer = None
 
 
 def test_a_full_sync_sends_the_policy_whatever_was_received():
@@ -45,11 +37,9 @@ def test_a_lowrank_sync_refuses_a_step_whose_update_did_not_reach_it():
                     updates=2, received=[["a"]])
 
 
-def test_the_low_rank_updates_come_from_the_strategys_last_report():
-    trainer = SimpleNamespace(strategy=ReportingStrategy(SimpleNamespace(low_rank_updates=("u1", "u2"))))
-    assert step_low_rank_updates(trainer) == ["u1", "u2"]
-    skipped = SimpleNamespace(strategy=ReportingStrategy(SimpleNamespace(low_rank_updates=None)))
-    assert step_low_rank_updates(skipped) == []
+def test_the_low_rank_updates_come_from_the_report_the_step_returned():
+    assert step_low_rank_updates(SimpleNamespace(low_rank_updates=("u1", "u2")), strategy=None) == ["u1", "u2"]
+    assert step_low_rank_updates(SimpleNamespace(low_rank_updates=None), strategy=None) == []  # a skipped step
 
 
 def test_low_rank_updates_under_a_dense_strategy_name_it():
@@ -57,4 +47,4 @@ def test_low_rank_updates_under_a_dense_strategy_name_it():
         pass
 
     with pytest.raises(ValueError, match="needs every optimizer step to be a LoGRA update.*DDPStrategy"):
-        step_low_rank_updates(SimpleNamespace(strategy=DDPStrategy()))
+        step_low_rank_updates(None, DDPStrategy())

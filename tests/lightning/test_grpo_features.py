@@ -41,12 +41,7 @@ def test_one_update_never_clips(model_folder):
 def test_each_mini_batch_is_one_logra_update_seen_by_the_kl_controller(model_folder):
     grpo = grpo_module(model_folder, mini_batches=2, rewards=rewards("varied_reward"))
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
-    probed_rows = []
-
-    class Probed(L.Callback):
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            probed_rows.append(pl_module.logra_step_inputs().probe.rows)
-
+    recorded = record_step_inputs(strategy)
     reports = []
 
     class Reports(L.Callback):
@@ -56,10 +51,10 @@ def test_each_mini_batch_is_one_logra_update_seen_by_the_kl_controller(model_fol
                 trainer.strategy.runtime.step = lambda *a, **k: reports.append(step(*a, **k)) or reports[-1]
 
     trainer, logged = fit_grpo(grpo, model_folder, steps=4, strategy=strategy,
-                               callbacks=[LoGRACallback(), Probed(), Reports()])
+                               callbacks=[LoGRACallback(), Reports()])
     assert trainer.global_step == 4 and len(logged) == 2
     assert strategy.logra_optimizer.update_count == 4
-    assert probed_rows == [2, 2, 2, 2]  # each update probes its own prompt group (2 samples)
+    assert [inputs.probe.rows for inputs in recorded] == [2, 2, 2, 2]  # each update probes its own prompt group
     assert len(reports) == 4 and all(r.alpha is not None and r.budget is not None and not r.skipped for r in reports)
 
 
@@ -67,15 +62,10 @@ def packed_or_padded_step(folder, **micro_batching) -> dict[str, float]:
     """The metrics of one logra_fsdp step with a KL reference and two updates (old
     log-probs), and whether every update's KL probe was packed."""
     grpo = grpo_module(folder, num_iterations=2, loss=LossConfig(kl_coef=0.1), **micro_batching)
-    probes = []
-
-    class Probes(L.Callback):
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            probes.append(pl_module.logra_step_inputs().probe.packed)
-
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
-    _, logged = fit_grpo(grpo, folder, steps=2, strategy=strategy, callbacks=[LoGRACallback(), Probes()])
-    return {**logged[0], "probe_packed": float(all(probes))}
+    recorded = record_step_inputs(strategy)
+    _, logged = fit_grpo(grpo, folder, steps=2, strategy=strategy, callbacks=[LoGRACallback()])
+    return {**logged[0], "probe_packed": float(all(inputs.probe.packed for inputs in recorded))}
 
 
 def test_micro_batches_by_tokens_train_as_the_padded_ones_do(model_folder):
@@ -138,7 +128,7 @@ def test_mask_truncated_leaves_cut_off_completions_out(model_folder):
     with torch.no_grad():
         favour_token(grpo.policy, grpo.tokenizer.eos_token_id, 2.0)  # some completions stop, some are cut off
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
-    recorded = record_step_inputs(grpo)
+    recorded = record_step_inputs(strategy)
     _, logged = fit_grpo(grpo, model_folder, steps=1, strategy=strategy)
     inputs = recorded[-1]
     cut_off = ~inputs.logprob_pairs.mask.any(dim=1)

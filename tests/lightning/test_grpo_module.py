@@ -11,6 +11,7 @@ from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.modules import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
 from lightning_logra.rewards.runner import RewardRunner
 from lightning_logra.rl.config import lr_factor
+from lightning_logra.rl import step as rl_step
 from tests.helpers.grpo import grpo_module, prompt_data
 
 LOGGED = {"reward/mean", "reward/std", "reward/zero_std_groups", "reward/failures", "completion/length_mean",
@@ -75,18 +76,17 @@ def test_logra_step_size_ignores_the_lr_schedule_unless_asked(model_folder, foll
     assert report.update_norm == pytest.approx(expected * report.weight_norm, rel=1e-9)
 
 
-def test_probe_batch_answers_different_prompts_at_the_sampling_temperature(model_folder):
+def test_probe_batch_answers_different_prompts_at_the_sampling_temperature(model_folder, monkeypatch):
     grpo = grpo_module(model_folder, rollout=RolloutConfig(num_generations=2, max_new_tokens=6, temperature=0.7))
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8))
-    probes, rollout_rows, step_inputs = [], [], grpo.logra_step_inputs
+    probes, rollout_rows, step_inputs = [], [], rl_step.logra_step_inputs
 
-    def recorded_step_inputs():
-        batch, rows, _ = grpo._stepping
+    def recorded_step_inputs(batch, rows, *args, **kwargs):
         rollout_rows.append(batch.rollouts.input_ids[rows])
-        probes.append(step_inputs().probe)
-        return step_inputs()
+        probes.append(step_inputs(batch, rows, *args, **kwargs).probe)
+        return step_inputs(batch, rows, *args, **kwargs)
 
-    grpo.logra_step_inputs = recorded_step_inputs
+    monkeypatch.setattr(rl_step, "logra_step_inputs", recorded_step_inputs)
     fit(grpo, model_folder, strategy=strategy, steps=1)
     probe = probes[-1]
     assert probe.temperature == 0.7

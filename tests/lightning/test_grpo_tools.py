@@ -34,7 +34,7 @@ def tool_step(folder, strategy, turns=(TURN_1, TURN_2), **tool_sources):
     ScriptedGeneration(grpo.policy, grpo.tokenizer, list(turns))
     sampled, generate = [], grpo.multi_turn.generate
     grpo.multi_turn.generate = lambda *args, **kwargs: sampled.append(generate(*args, **kwargs)) or sampled[-1]
-    step_inputs = record_step_inputs(grpo)
+    step_inputs = record_step_inputs(strategy)
     logged = {}
 
     class Capture(L.Callback):
@@ -74,10 +74,10 @@ def test_logra_step_with_tools_probes_and_pairs_generated_tokens_only(model_fold
 
 
 def test_dense_step_with_tools_trains_on_generated_tokens_only(model_folder, monkeypatch):
-    import lightning_logra.modules.grpo as grpo_code
+    import lightning_logra.rl.step as step_code
 
-    masks, backward = [], grpo_code.backward_micro_batches
-    monkeypatch.setattr(grpo_code, "backward_micro_batches",
+    masks, backward = [], step_code.backward_micro_batches
+    monkeypatch.setattr(step_code, "backward_micro_batches",
                         lambda policy, batch, *args, **kwargs: masks.append(batch.mask) or backward(policy, batch, *args,
                                                                                                     **kwargs))
     rollouts, logged, _ = tool_step(model_folder, "auto")

@@ -1,15 +1,16 @@
 """The typed module <-> strategy contract (lightning_logra.hooks): what a module provides is
-checked once at setup, a step asks for its inputs once, a misspelt hook is refused."""
+checked once at setup, a step's inputs go down with the step and its report comes back, a
+misspelt or removed hook is refused."""
 
 import math
 
 import pytest
 import torch
 
-from lightning_logra import LoGRAFSDPStrategy, LoGRAModuleHooks, LoGRAStepInputs, ProbeBatch
-from lightning_logra.hooks import found_hooks, last_step_report
+from lightning_logra import LoGRAFSDPStrategy, LoGRAModuleHooks, LoGRAOptimizer, LoGRAStepInputs, ProbeBatch
+from lightning_logra.hooks import ReportsLoGRASteps, found_hooks
 from lightning_logra.modules import GRPOModule
-from tests.helpers.lightning import CausalLM, config, loader, trainer
+from tests.helpers.lightning import CausalLM, config, loader, token_rows, trainer
 
 
 class WithOldHook(CausalLM):
@@ -17,48 +18,76 @@ class WithOldHook(CausalLM):
         raise AssertionError("never called")
 
 
-class CountingInputs(CausalLM):
-    """Probes a fixed batch and counts how often the strategy asks for the step's inputs."""
+class WithRemovedHook(CausalLM):
+    def logra_step_inputs(self):  # the pull hook the strategy used to call back during a step
+        raise AssertionError("never called")
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
 
-    def logra_step_inputs(self) -> LoGRAStepInputs:
-        self.calls += 1
-        rows = torch.arange(20).view(2, 10) % 64
-        return LoGRAStepInputs(probe={"input_ids": rows, "attention_mask": torch.ones_like(rows),
-                                      "logits_mask": torch.ones_like(rows, dtype=torch.bool)})
+def fixed_probe() -> dict[str, torch.Tensor]:
+    rows = torch.arange(20).view(2, 10) % 64
+    return {"input_ids": rows, "attention_mask": torch.ones_like(rows), "logits_mask": torch.ones_like(rows, dtype=torch.bool)}
+
+
+class HandsInputsDown(CausalLM):
+    """Manual optimization: each step gets a fixed probe and returns what it did."""
+
+    def __init__(self, inputs=None) -> None:
+        super().__init__(manual_micro_batches=1)
+        self.inputs = LoGRAStepInputs(probe=fixed_probe()) if inputs is None else inputs
+        self.reports = []
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(self.loss(batch))
+        self.reports.append(optimizer.step(logra_inputs=self.inputs))
 
 
 def test_a_logra_method_that_is_no_hook_is_refused_at_setup(tmp_path):
     with pytest.raises(TypeError, match="logra_probe_batch, which is no LoGRA hook; the hooks are logra_model, "
-                                        "logra_frozen_models, logra_step_inputs"):
+                                        "logra_frozen_models "):
         trainer(LoGRAFSDPStrategy(logra=config(kl_control=True)), max_steps=1, tmp_path=tmp_path).fit(WithOldHook(), loader(4))
 
 
-def test_step_inputs_are_asked_once_per_optimizer_step_and_the_start_line_names_the_hooks(tmp_path):
-    module = CountingInputs()
+def test_the_removed_pull_hook_is_refused_naming_what_replaced_it(tmp_path):
+    with pytest.raises(TypeError, match=r"WithRemovedHook defines logra_step_inputs\(\) was removed: .*"
+                                        r"self.optimizers\(\).step\(logra_inputs=LoGRAStepInputs\(...\)\)"):
+        trainer(LoGRAFSDPStrategy(logra=config(kl_control=True)), max_steps=1,
+                tmp_path=tmp_path).fit(WithRemovedHook(), loader(4))
+
+
+def test_each_step_returns_the_report_of_the_inputs_handed_to_it(tmp_path):
+    module = HandsInputsDown()
     strategy = LoGRAFSDPStrategy(logra=config(kl_control=True))
     trainer(strategy, max_steps=3, tmp_path=tmp_path).fit(module, loader(4))
-    assert module.calls == 3
-    assert strategy.runtime.describe(module).endswith("; module hooks: logra_step_inputs")
-    report = last_step_report(module.trainer)
-    assert report is strategy.last_report and report.budget is not None and report.low_rank_updates is None
+    assert [report.update for report in module.reports] == [0, 1, 2]
+    assert module.reports[-1] is strategy.last_report  # what observers such as LoGRACallback read
+    assert all(report.budget is not None and report.predicted_kl > 0 for report in module.reports)
+    assert strategy.runtime.describe(module).endswith("; no module hooks (defaults)")
+
+
+@pytest.mark.parametrize("handed_down", [True, False])
+def test_the_probe_handed_down_is_scored_else_the_training_batch(tmp_path, monkeypatch, handed_down):
+    probed = []
+    predict = LoGRAOptimizer.predict_kl
+    monkeypatch.setattr(LoGRAOptimizer, "predict_kl", lambda self, probe, *a: probed.append(probe) or predict(self, probe, *a))
+    module = HandsInputsDown(inputs=None if handed_down else LoGRAStepInputs())
+    trainer(LoGRAFSDPStrategy(logra=config(kl_control=True)), max_steps=1, tmp_path=tmp_path).fit(module, loader(4))
+    expected = fixed_probe()["input_ids"] if handed_down else token_rows()[:4]
+    assert len(probed) == 1 and torch.equal(probed[0].input_ids, expected[:2])  # probe_responses = 2 rows
 
 
 def test_the_grpo_module_provides_every_hook(model_folder):
     module = GRPOModule(model=model_folder)
     assert isinstance(module, LoGRAModuleHooks)
-    assert found_hooks(module) == ["logra_model", "logra_frozen_models", "logra_step_inputs"]
-    with pytest.raises(RuntimeError, match="during an optimizer step only"):
-        module.logra_step_inputs()
+    assert found_hooks(module) == ["logra_model", "logra_frozen_models"]
 
 
-def test_no_step_report_under_another_strategy(tmp_path):
+def test_only_the_logra_strategies_take_step_inputs(tmp_path):
     module = CausalLM()
     trainer("auto", max_steps=1, tmp_path=tmp_path).fit(module, loader(4))
-    assert last_step_report(module.trainer) is None
+    assert not isinstance(module.trainer.strategy, ReportsLoGRASteps)
+    assert isinstance(LoGRAFSDPStrategy(), ReportsLoGRASteps)
 
 
 @pytest.mark.parametrize("tokens", [0, -1, math.nan, math.inf])
@@ -79,10 +108,7 @@ def test_step_inputs_take_a_probe_dict_and_plain_pairs():
         LoGRAStepInputs(record_low_rank=1)
 
 
-def test_a_hook_returning_something_else_is_refused(tmp_path):
-    class Untyped(CausalLM):
-        def logra_step_inputs(self):
-            return {"probe": None}
-
-    with pytest.raises(TypeError, match=r"Untyped.logra_step_inputs\(\) returned dict, not a LoGRAStepInputs"):
-        trainer(LoGRAFSDPStrategy(logra=config()), max_steps=1, tmp_path=tmp_path).fit(Untyped(), loader(4))
+def test_step_inputs_of_another_type_are_refused(tmp_path):
+    module = HandsInputsDown(inputs={"probe": None})
+    with pytest.raises(TypeError, match="optimizer.step\\(logra_inputs=...\\) takes a LoGRAStepInputs, got dict"):
+        trainer(LoGRAFSDPStrategy(logra=config()), max_steps=1, tmp_path=tmp_path).fit(module, loader(4))

@@ -45,7 +45,7 @@ class TupleBatches(CausalLM):
 
 def test_kl_control_without_probe_data_names_the_fix(tmp_path):
     rows = [(row["input_ids"],) for row in dataset(8)]
-    with pytest.raises(ValueError, match="logra_step_inputs"):
+    with pytest.raises(ValueError, match=r"step\(logra_inputs=LoGRAStepInputs\(probe="):
         trainer(LoGRAFSDPStrategy(), max_steps=1, tmp_path=tmp_path).fit(TupleBatches(), torch.utils.data.DataLoader(rows, batch_size=4))
 
 

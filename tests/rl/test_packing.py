@@ -7,6 +7,7 @@ import torch
 
 from lightning_logra.core.config import LoGRAConfig
 from lightning_logra.core.optimizer import LoGRAOptimizer
+from lightning_logra.core.step_inputs import LoGRAStepInputs
 from lightning_logra.models import enable_activation_checkpointing, with_lora
 from lightning_logra.rl.batch import backward_micro_batches, batch_logprobs
 from lightning_logra.rl.config import LoRAConfig, LossConfig
@@ -162,8 +163,8 @@ def logra_step(batch, settings, packed_probe: bool):
     backward_micro_batches(model, batch, slice(0, len(PROMPTS)), settings, backward=torch.Tensor.backward,
                            passes=PassTotals.zeros(torch.device("cpu")))
     sketches = optimizer.sketches.buffer.clone()
-    report = optimizer.step(probe=batch.probe_batch(slice(0, len(PROMPTS)), num_generations=2, temperature=0.9,
-                                                    packed=packed_probe))
+    probe = batch.probe_batch(slice(0, len(PROMPTS)), num_generations=2, temperature=0.9, packed=packed_probe)
+    report = optimizer.step(logra_inputs=LoGRAStepInputs(probe=probe))
     return sketches, report, [p.detach().clone() for p in model.parameters()]
 
 
