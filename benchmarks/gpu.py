@@ -65,7 +65,7 @@ FIT_TOKENS, FIT_NEW_TOKENS, FIT_MICRO_BATCHES = 2048, 64, 2
 SIZE_SHAPE, SIZE_TOKENS, MEMORY_MICRO_BATCHES, SPEED_MICRO_BATCHES, SPEED_REPS = "Qwen2.5-1.5B", 4096, 2, 4, 5
 SIZE_PROMPT = 512  # prompt tokens of the replayed 1.5B rows (the rest completion)
 STEP_PHASES = ("build", "rollout", "forward_backward", "update")
-STEP = ("GRPOModule's step (`backward_micro_batches`, one row per micro-batch, loss `grpo`, then `AdamW.step()` or "
+STEP = ("GRPOModule's step (`rl.step.run_update`: `backward_micro_batches`, one row per micro-batch, loss `grpo`, then `AdamW.step()` or "
         "`LoGRAOptimizer.step` probing every row), on generated rollouts (fit) or replayed random rows (1.5B memory and speed).")
 GIB = 2**30
 

@@ -278,7 +278,7 @@ def step_description(tokens: int, world: int = 1) -> str:
     prompt = prompt_share(tokens)
     where = "on each rank, its own rows" if world > 1 else "in each mode's process"
     return (f"GRPOModule's step on replayed rollouts ({MICRO_BATCHES} rows of {prompt} prompt + {tokens - prompt} completion "
-            f"tokens, one prompt, {where}): `backward_micro_batches`, one row per micro-batch, loss `grpo`, then "
+            f"tokens, one prompt, {where}): `rl.step.run_update`: `backward_micro_batches`, one row per micro-batch, loss `grpo`, then "
             f"`AdamW.step()` or `LoGRAOptimizer.step` (probe on both rows).")
 
 

@@ -198,7 +198,7 @@ def main() -> None:
         result = {"command": command_line("memory_ledger"), "machine": machine_info(), "code": code_version(),
                   "smoke": args.smoke,
                   "step": (f"GRPOModule's step on replayed rollouts ({MICRO_BATCHES} rows of {prompt} prompt + "
-                           f"{tokens - prompt} completion tokens, one prompt): `backward_micro_batches`, one row per "
+                           f"{tokens - prompt} completion tokens, one prompt): `rl.step.run_update`: `backward_micro_batches`, one row per "
                            "micro-batch, loss `grpo`, then `AdamW.step()` or `LoGRAOptimizer.step` (probe on both rows)."),
                   "modes": modes}
         save_json(stem.with_suffix(".json"), result)

@@ -87,7 +87,7 @@ def measure_tokens(tokens: int, micro_batches: int, probe_max_tokens: int | None
 
 
 def step_description(replay) -> str:
-    return (f"GRPOModule's step on replayed rollouts ({replay.describe()}): `backward_micro_batches`, one row per "
+    return (f"GRPOModule's step on replayed rollouts ({replay.describe()}): `rl.step.run_update`: `backward_micro_batches`, one row per "
             f"micro-batch, loss `grpo`, then `AdamW.step()` or `LoGRAOptimizer.step` (probe on "
             f"{PROBE_RESPONSES} rows, one per prompt).")
 

@@ -63,7 +63,8 @@ class PromptDataModule(LightningDataModule):
     ``DistributedSampler``). Every train batch is full: the rows left over at the end of an
     epoch's share, fewer than ``batch_size``, are dropped for that epoch (``drop_last``; a
     later epoch's shuffle trains them), so a step always has ``batch_size`` prompts for
-    ``mini_batches`` to divide. A train set smaller than one batch on each rank is refused.
+    ``GRPOModule``'s ``batching.mini_batches`` to divide. A train set smaller than one batch
+    on each rank is refused.
     The train loader's position, the count of the epoch's rows consumed by all ranks
     together, is saved in Trainer checkpoints, so a fit resumed mid-epoch, on as many ranks
     or not, continues that epoch's order where the checkpoint left it.
