@@ -75,7 +75,7 @@ def rank_main(folder: str, kl_coef: float, precision: str) -> dict:
 
     from lightning_logra import LoGRAConfig, LoGRAFSDPStrategy
     from lightning_logra.data import PromptDataModule
-    from lightning_logra.modules import GRPOModule, LossConfig, RolloutConfig
+    from lightning_logra.modules import GRPOModule, LossConfig, RewardConfig, RolloutConfig
 
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here: setup only
     base_kib, started = status_kib("VmRSS"), time.perf_counter()
@@ -92,7 +92,7 @@ def rank_main(folder: str, kl_coef: float, precision: str) -> dict:
             raise FirstStep
 
     module = GRPOModule(folder, loss=LossConfig(kl_coef=kl_coef), rollout=RolloutConfig(num_generations=2, max_new_tokens=4),
-                        rewards=["lightning_logra.rewards.math:math_reward"])
+                        reward=RewardConfig(functions=["lightning_logra.rewards.math:math_reward"]))
     data = PromptDataModule(train="arithmetic", tokenizer=folder, batch_size=1, train_size=4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -5,7 +5,7 @@ evenly from ``--min-response`` to ``--max-response`` tokens, shuffled) is traine
 by side, from the same weights, through the library's own step (``harness``): padded
 micro-batches of ``--micro-batch-size`` left-padded rows (GRPOModule's default), and packed
 micro-batches of at most ``--micro-batch-tokens`` real tokens, each one row whose position
-ids restart per sequence (``micro_batch_tokens``). Each step is
+ids restart per sequence (``batching.micro_batch_tokens``). Each step is
 ``rl.batch.backward_micro_batches`` (the default GRPO loss, activation checkpointing), then
 ``LoGRAOptimizer.step`` with the KL probe on 2 rows (packed too in the packed mode).
 

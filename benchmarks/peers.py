@@ -171,7 +171,7 @@ def run_method(method: str, steps: int, work: Path, repetition: int) -> dict:
     else:
         command = [sys.executable, "-c", "from lightning_logra.cli import main; main()", "fit", "-c", CONFIGS[method],
                    f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
-                   "--model.init_args.log_completions_every=0", f"--trainer.default_root_dir={work}",
+                   "--model.init_args.logging.completions_every=0", f"--trainer.default_root_dir={work}",
                    "--trainer.logger.init_args.experiment_name=peers", f"--trainer.logger.init_args.run_name={name}"]
     print(f"{name}: {steps} steps", flush=True)
     started = time.perf_counter()

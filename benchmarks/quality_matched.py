@@ -12,7 +12,7 @@ protocol, fixed before measuring (2026-12-02):
    8 samples, 16 new tokens) and everything else are the quickstart configs'.
 2. **Runs**: 24 steps, validation every 6 on ``VAL_SIZE`` = 96 prompts x 4 samples (a
    sample is correct when its reward is 1, full credit), every
-   run with ``measure_step_kl`` (``policy/step_kl``) and ``log_val_completions`` on, so
+   run with ``logging.step_kl`` (``policy/step_kl``) and ``logging.val_completions`` on, so
    each prompt's result is kept. A seed sets everything a run draws: its prompts' order,
    its validation prompts (the same for every method within a seed), its samples, its
    LoRA adapters and LoGRA projections.
@@ -106,7 +106,7 @@ class Runs:
 
     def common(self, seed: int, name: str) -> list[str]:
         return [f"--seed_everything={seed}", f"--model.init_args.seed={seed}", f"--data.init_args.seed={seed}",
-                f"--data.init_args.val_size={self.val_size}", "--model.init_args.log_val_completions=true",
+                f"--data.init_args.val_size={self.val_size}", "--model.init_args.logging.val_completions=true",
                 "--trainer.logger.init_args.experiment_name=quality_matched",
                 f"--trainer.logger.init_args.artifact_location={self.work / 'artifacts'}",
                 f"--trainer.logger.init_args.run_name={name}", f"--trainer.default_root_dir={self.work}",
@@ -127,7 +127,7 @@ class Runs:
         name = f"{self.task}-{method}-{setting(method, value).replace(' ', '_')}-seed{seed}"
         config = CONFIGS[BASE[method]]
         arguments = ["fit", "-c", config, *self.common(seed, name), f"--trainer.max_steps={self.steps}",
-                     f"--trainer.val_check_interval={self.val_every}", "--model.init_args.measure_step_kl=true",
+                     f"--trainer.val_check_interval={self.val_every}", "--model.init_args.logging.step_kl=true",
                      *method_overrides(method, value)]
         if BASE[method] == "logra":  # its random projections are seeded too
             arguments += [f"--trainer.strategy.init_args.logra.schedule_steps={self.steps}",

@@ -23,7 +23,7 @@ def reasoning_gym_task(name: str, instruction: str | None = None, threshold_poin
                       + ("" if instruction is None else f", instruction {instruction!r}"),
             "threshold_points": threshold_points, "instruction": instruction,
             "overrides": [f"--data.init_args.train=reasoning_gym:{name}", f"--data.init_args.val=reasoning_gym:{name}",
-                          f"--data.init_args.instruction={shown}", f'--model.init_args.rewards=["{REWARD}"]']}
+                          f"--data.init_args.instruction={shown}", f'--model.init_args.reward.functions=["{REWARD}"]']}
 
 
 # Thresholds fixed before any training run of the task (points of pass@1 above the untrained model).

@@ -2,7 +2,7 @@
 
 The quickstart's three methods (``configs/quickstart_dense.yaml``: AdamW lr 1e-5;
 ``quickstart_lora.yaml``: LoRA r=256; ``quickstart.yaml``: LoGRA, rank auto = 64, KL budget
-2e-3 cosine to 5e-4) run through the ``logra`` CLI with ``measure_step_kl: true`` and no
+2e-3 cosine to 5e-4) run through the ``logra`` CLI with ``logging.step_kl: true`` and no
 validation, one after the other (same seeds, same prompts). Per step: ``policy/step_kl``
 (k3 on the step's own trained tokens: see the metrics guide), LoGRA's scaled prediction
 ``logra/predicted_kl_scaled``, and the measurement's cost, ``perf/step_kl_s`` over the
@@ -32,9 +32,9 @@ def measure(work: Path, steps: int) -> dict:
     environment = mlflow_environment(work)
     runs = {}
     for name, config in RUNS.items():
-        print(f"{name}: {steps} steps with measure_step_kl", flush=True)
+        print(f"{name}: {steps} steps with logging.step_kl", flush=True)
         seconds = run_logra(["fit", "-c", config, f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
-                             "--model.init_args.measure_step_kl=true", "--model.init_args.log_completions_every=0",
+                             "--model.init_args.logging.step_kl=true", "--model.init_args.logging.completions_every=0",
                              f"--trainer.default_root_dir={work}", "--trainer.logger.init_args.experiment_name=step_kl",
                              f"--trainer.logger.init_args.run_name={name}"], environment, work / f"{name}.log")
         database = work / "mlflow.db"
@@ -65,7 +65,7 @@ def render(result: dict) -> str:
         lines += ["", f"LoGRA's own scaled prediction per step (`logra/predicted_kl_scaled`, the probe's rows): {predicted}."]
     worst = max(run["cost_share"] for run in result["runs"].values())
     lines += ["", f"Largest cost share {100 * worst:.1f}% (on by default only at <= {100 * COST_LIMIT:.0f}%: "
-                  f"{'within' if worst <= COST_LIMIT else 'over'}; `measure_step_kl` stays off by default, on in the "
+                  f"{'within' if worst <= COST_LIMIT else 'over'}; `logging.step_kl` stays off by default, on in the "
                   "benchmarks).",
               f"{machine_line(result['machine'])}; {result['steps']} steps per method, no validation; command: "
               f"`{result['command']}`."]

@@ -10,14 +10,14 @@ from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.callbacks import RunSummary, StepProgressBar
 from lightning_logra.cli import default_tracking_uri
 from lightning_logra.data import PromptDataModule
-from lightning_logra.modules import GRPOModule, OptimizerConfig, RolloutConfig
+from lightning_logra.modules import BatchingConfig, GRPOModule, OptimizerConfig, RolloutConfig
 
 L.seed_everything(0)
 policy = GRPOModule(
     model="smollm2-135m-instruct",
     rollout=RolloutConfig(num_generations=8, max_new_tokens=16, val_generations=4),
     optimizer=OptimizerConfig(warmup_steps=0, decay_steps=0),
-    micro_batch_size=16,
+    batching=BatchingConfig(micro_batch_size=16),
     activation_checkpointing=False,
 )
 data = PromptDataModule(train="arithmetic:1", val="arithmetic:1", tokenizer="smollm2-135m-instruct",

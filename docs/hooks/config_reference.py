@@ -60,6 +60,12 @@ SECTIONS = (
             "YAML `model.init_args.rollout`; Python `GRPOModule(rollout=RolloutConfig(...))`"),
     Section("lightning_logra.rl.config:OptimizerConfig",
             "YAML `model.init_args.optimizer`; Python `GRPOModule(optimizer=OptimizerConfig(...))`"),
+    Section("lightning_logra.rewards.config:RewardConfig",
+            "YAML `model.init_args.reward`; Python `GRPOModule(reward=RewardConfig(...))`"),
+    Section("lightning_logra.rl.config:BatchingConfig",
+            "YAML `model.init_args.batching`; Python `GRPOModule(batching=BatchingConfig(...))`"),
+    Section("lightning_logra.rl.config:LoggingConfig",
+            "YAML `model.init_args.logging`; Python `GRPOModule(logging=LoggingConfig(...))`"),
     Section("lightning_logra.rl.config:MultiTurnConfig",
             "YAML `model.init_args.multi_turn`; Python `GRPOModule(multi_turn=MultiTurnConfig(...))` (with `tools` "
             "or `environment_factory`)"),

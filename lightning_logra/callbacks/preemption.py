@@ -68,6 +68,11 @@ class PreemptionCheckpoint(Callback):
         self._request = NO_REQUEST
         self._last_step = 0
 
+    def checkpoint_folder(self, trainer) -> Path:
+        """Where it saves (``default_root_dir``): the strategy holds this folder's writer lock
+        and recovers it at start-up (``strategies.checkpoints.recovery``)."""
+        return Path(trainer.default_root_dir)
+
     @override
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._request = NO_REQUEST

@@ -15,6 +15,7 @@ Standard library only (``core`` imports nothing but torch and the standard libra
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import sys
@@ -135,7 +136,12 @@ def deprecated_attributes(aliases: Mapping[str, str]):
     that reads and writes the new attribute, with ``renamed_field``'s warning (once per name
     per process). Apply it above ``@dataclass``: the dataclass's ``__init__`` keeps its own
     handling of the old keyword (an ``InitVar`` with default None), and ``dataclasses.replace``
-    reads None from it (not given)."""
+    reads None from it (not given).
+
+    A dotted new name (``"batching.micro_batch_size"``: a field of a config group the object
+    holds) is read through the group, and is read-only: the object may have built what
+    depends on the group already, so a write could not take effect. Writing raises
+    ``AttributeError`` naming what to set instead."""
 
     def decorate(cls: type) -> type:
         for old, new in aliases.items():
@@ -146,14 +152,18 @@ def deprecated_attributes(aliases: Mapping[str, str]):
 
 
 def _forwarding_property(owner: str, old: str, new: str) -> property:
+    path = new.split(".")
+
     def read(self):
         if sys._getframe(1).f_globals.get("__name__") == "dataclasses":
             # dataclasses.replace() reads every InitVar to pass it on: the old name was not given.
             return None
         warn_renamed(owner, old, new, stacklevel=2)
-        return getattr(self, new)
+        return functools.reduce(getattr, path, self)
 
     def write(self, value):
+        if len(path) > 1:
+            raise AttributeError(f"{owner}.{old} is deprecated and read-only: set {new} when building the {owner}")
         warn_renamed(owner, old, new, stacklevel=2)
         setattr(self, new, value)
 

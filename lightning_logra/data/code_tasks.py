@@ -6,7 +6,8 @@ multiplied by 3 plus 2.") and carries ``tests``, five statements ``assert f(<lit
 sandbox and compares the value outside it), and ``reference_solution``, a solution that
 passes them. Level 1 asks for one operation, level 2 for two. The expected values are
 computed here by plain Python functions, never by running the solutions' text: the tests of
-the package run each reference solution in the sandbox against its tests.
+the package run each reference solution in the sandbox against its tests. A prompt is a
+training or a validation prompt by ``held_out.prompt_split``, for every seed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from typing import NamedTuple
+
+from lightning_logra.data.held_out import check_split, rows_of_split
 
 
 class Template(NamedTuple):
@@ -71,22 +74,54 @@ TEMPLATES = {
 TESTS_PER_ROW = 5
 
 
-def code_rows(n: int, seed: int, *, level: int = 1) -> list[dict]:
-    """``n`` deterministic rows ``{"prompt", "tests", "reference_solution"}`` of ``level``
-    (1 or 2; see the module docstring)."""
+CONSTANTS_A = range(2, 10)
+CONSTANTS_B = range(1, 10)
+
+
+def code_rows(n: int, seed: int, *, split: str = "train", level: int = 1) -> list[dict]:
+    """``n`` deterministic rows ``{"prompt", "tests", "reference_solution"}`` of ``split``
+    (``"train"`` or ``"val"``, see ``held_out``) and ``level`` (1 or 2; see the module
+    docstring); the same for a (seed, split).
+
+    The seed shuffles the level's distinct prompts (``code_prompts``), each equally likely,
+    and draws each row's test inputs. The spaces are small (tens of prompts per split at
+    level 1), so a larger ``n`` repeats prompts, with a warning.
+    """
     if n < 0 or level not in TEMPLATES:
         raise ValueError(f"code_rows: need n >= 0 and level in {sorted(TEMPLATES)}; got n={n}, level={level}")
+    task = f"code:{level}"
+    check_split(task, split)
     rng = random.Random(seed)
-    return [_row(rng.choice(TEMPLATES[level]), rng) for _ in range(n)]
+    space = _prompt_space(level)
+    candidates = (_row(template, constants, rng) for template, constants in rng.sample(space, len(space)))
+    return rows_of_split(task, split, n, candidates, exhaustive=True)
 
 
-def _row(template: Template, rng: random.Random) -> dict:
-    constants = {"a": rng.randint(2, 9), "b": rng.randint(1, 9)}
-    description = template.description.format(**constants)
+def code_prompts(level: int) -> list[str]:
+    """Every distinct prompt of ``level`` (for counting them per split)."""
+    return [_prompt(template, constants) for template, constants in _prompt_space(level)]
+
+
+def _prompt_space(level: int) -> list[tuple[Template, dict[str, int]]]:
+    """One (template, constants) per distinct prompt of ``level``: a template whose
+    description leaves out a constant asks for the same function whatever it is."""
+    space = {}
+    for template in TEMPLATES[level]:
+        for a in CONSTANTS_A:
+            for b in CONSTANTS_B:
+                constants = {"a": a, "b": b}
+                space.setdefault(_prompt(template, constants), (template, constants))
+    return list(space.values())
+
+
+def _prompt(template: Template, constants: dict[str, int]) -> str:
+    return f"Write a Python function `f({template.parameter})` that {template.description.format(**constants)}."
+
+
+def _row(template: Template, constants: dict[str, int], rng: random.Random) -> dict:
     solution = f"def f({template.parameter}):\n    return {template.body.format(**constants)}\n"
     tests = []
     for _ in range(TESTS_PER_ROW):
         argument = template.draw(rng)
         tests.append(f"assert f({argument!r}) == {template.compute(argument, **constants)!r}")
-    return {"prompt": f"Write a Python function `f({template.parameter})` that {description}.", "tests": tests,
-            "reference_solution": solution}
+    return {"prompt": _prompt(template, constants), "tests": tests, "reference_solution": solution}

@@ -1,6 +1,7 @@
 """LightningDataModule of RL prompts: rows -> chat-formatted prompt texts plus the row's columns."""
 
 import itertools
+import json
 import math
 from pathlib import Path
 
@@ -27,7 +28,18 @@ class PromptDataModule(LightningDataModule):
     Sources (``train``, ``val``): a ``.jsonl``/``.json``/``.parquet`` file, a Hugging Face
     dataset name (``train_split``/``val_split``), ``"arithmetic"`` (synthetic, see
     ``arithmetic_rows``), ``"code"`` (see ``code_rows``) or ``"reasoning_gym:<task>"``; the
-    built-in ones draw ``train_size``/``val_size`` rows, the validation rows from ``seed + 1``.
+    built-in ones draw ``train_size``/``val_size`` rows with ``seed``, the train rows from
+    their training prompts and the validation rows from their validation prompts: every
+    prompt text belongs to one of the two by a hash of the text, whatever the seed (see
+    ``lightning_logra.data.held_out``), so no validation prompt is ever a training prompt.
+    Their small spaces (``arithmetic:1``, ``code:1``, ``code:2``) have fewer distinct prompts
+    than large sizes ask for: their rows repeat, with a warning.
+
+    Held out: at setup, the prompts of the validation rows are compared with those of the
+    train rows, for every kind of source, as the rows give them (with columns renamed, before
+    the instruction, the system prompt or the chat template is added; a string prompt and the
+    same text as one user message count as equal). Shared prompts refuse the run with
+    ``ValueError`` (their count and up to 3 of them), or, with ``allow_train_val_overlap``, warn.
 
     Prompts are rendered with the tokenizer's chat template (``add_generation_prompt=True``)
     when it has one, after ``system_prompt``; otherwise the message contents are joined.
@@ -51,7 +63,8 @@ class PromptDataModule(LightningDataModule):
     ``DistributedSampler``). Every train batch is full: the rows left over at the end of an
     epoch's share, fewer than ``batch_size``, are dropped for that epoch (``drop_last``; a
     later epoch's shuffle trains them), so a step always has ``batch_size`` prompts for
-    ``mini_batches`` to divide. A train set smaller than one batch on each rank is refused.
+    ``GRPOModule``'s ``batching.mini_batches`` to divide. A train set smaller than one batch
+    on each rank is refused.
     The train loader's position, the count of the epoch's rows consumed by all ranks
     together, is saved in Trainer checkpoints, so a fit resumed mid-epoch, on as many ranks
     or not, continues that epoch's order where the checkpoint left it.
@@ -69,6 +82,9 @@ class PromptDataModule(LightningDataModule):
             Validation only generates, so a larger batch costs memory for its rollouts, not
             for gradients, and takes fewer, wider generation calls. Each batch's samples are
             seeded by its index, so changing it changes which samples are drawn.
+        allow_train_val_overlap: validate even when validation prompts are also training
+            prompts (e.g. to watch the training prompts themselves), with a warning counting
+            them, instead of refusing the run.
     """
 
     def __init__(
@@ -90,12 +106,14 @@ class PromptDataModule(LightningDataModule):
         instruction: str | None = None,
         conversational: bool = False,
         val_batch_size: int | None = None,
+        allow_train_val_overlap: bool = False,
     ) -> None:
         super().__init__()
         check = FieldChecks("PromptDataModule", {
             "batch_size": batch_size, "num_workers": num_workers, "skip_invalid_rows": skip_invalid_rows,
             "max_prompt_tokens": max_prompt_tokens, "train_size": train_size, "val_size": val_size,
             "seed": seed, "conversational": conversational, "val_batch_size": val_batch_size,
+            "allow_train_val_overlap": allow_train_val_overlap,
         })
         check.integer("batch_size", at_least=1)
         check.integer("val_batch_size", at_least=1, optional=True)
@@ -106,9 +124,10 @@ class PromptDataModule(LightningDataModule):
         check.integer("val_size", at_least=1)
         check.seed("seed")
         check.boolean("conversational")
+        check.boolean("allow_train_val_overlap")
         check.require("max_prompt_tokens", max_prompt_tokens is None or tokenizer is not None,
                       "None without a tokenizer to count tokens")
-        self.sources = {"train": (train, train_split, train_size, seed), "val": (val, val_split, val_size, seed + 1)}
+        self.sources = {"train": (train, train_split, train_size), "val": (val, val_split, val_size)}
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.val_batch_size = batch_size if val_batch_size is None else val_batch_size
@@ -120,6 +139,7 @@ class PromptDataModule(LightningDataModule):
         self.field_map = dict(field_map or {})
         self.instruction = instruction
         self.conversational = conversational
+        self.allow_train_val_overlap = allow_train_val_overlap
         self.datasets: dict[str, PromptDataset] = {}
         self.skipped: dict[str, dict[str, int]] = {}
 
@@ -129,9 +149,13 @@ class PromptDataModule(LightningDataModule):
             from lightning_logra.models import load_tokenizer
 
             self.tokenizer = load_tokenizer(str(self.tokenizer))
-        for split, (source, hub_split, size, seed) in self.sources.items():
+        built = False
+        for split, (source, hub_split, size) in self.sources.items():
             if source is not None and split not in self.datasets:
-                self.datasets[split] = self._build(split, source, hub_split, size, seed)
+                self.datasets[split] = self._build(split, source, hub_split, size)
+                built = True
+        if built and "val" in self.datasets:
+            self._check_held_out()
 
     def train_dataloader(self) -> DataLoader:
         dataset = self.datasets["train"]
@@ -196,20 +220,20 @@ class PromptDataModule(LightningDataModule):
         messages[users[-1]] = {**last, "content": last["content"] + self.instruction}
         return messages
 
-    def _build(self, split: str, source, hub_split: str, size: int, seed: int) -> "PromptDataset":
+    def _build(self, split: str, source, hub_split: str, size: int) -> "PromptDataset":
         name = str(source)
         if name == "arithmetic" or name.startswith("arithmetic:"):
             digits = name.partition(":")[2]
             if digits and not digits.isdigit():
                 raise ValueError(f"{name!r}: write arithmetic:<max_digits>, e.g. arithmetic:1")
-            rows = arithmetic_rows(size, seed, max_digits=int(digits or 2))
+            rows = arithmetic_rows(size, self.seed, split=split, max_digits=int(digits or 2))
         elif name == "code" or name.startswith("code:"):
             level = name.partition(":")[2]
             if level not in ("", "1", "2"):
                 raise ValueError(f"{name!r}: write code:<level>, level 1 or 2, e.g. code:1")
-            rows = code_rows(size, seed, level=int(level or 1))
+            rows = code_rows(size, self.seed, split=split, level=int(level or 1))
         elif name.startswith("reasoning_gym:"):
-            rows = reasoning_gym_rows(name.removeprefix("reasoning_gym:"), size, seed)
+            rows = reasoning_gym_rows(name.removeprefix("reasoning_gym:"), size, self.seed, split=split)
         else:
             rows = read_rows(source, hub_split)
         if self.field_map:
@@ -232,6 +256,26 @@ class PromptDataModule(LightningDataModule):
         if not prompts:
             raise ValueError(f"{name}: no usable rows for {split}")
         return PromptDataset(prompts, columns)
+
+    def _check_held_out(self) -> None:
+        """Refuse validation prompts that are training prompts too (see the class docstring),
+        or warn with ``allow_train_val_overlap``."""
+        train_prompts = {_prompt_key(columns["prompt"]) for columns in self.datasets["train"].columns}
+        shared = {}
+        for columns in self.datasets["val"].columns:
+            key = _prompt_key(columns["prompt"])
+            if key in train_prompts:
+                shared.setdefault(key, columns["prompt"])
+        if not shared:
+            return
+        train, val = self.sources["train"][0], self.sources["val"][0]
+        overlap = f"{len(shared)} validation prompts of {val} are also training prompts of {train}"
+        if self.allow_train_val_overlap:
+            rank_zero_warn(f"{overlap}: validation measures them too (allow_train_val_overlap=True)")
+            return
+        examples = ", ".join(_shortened(repr(prompt)) for prompt in itertools.islice(shared.values(), 3))
+        raise ValueError(f"{overlap}, e.g. {examples}: validation would measure prompts the policy trains on. "
+                         "Hold them out of one split, or set allow_train_val_overlap=True to validate on them anyway")
 
     def _loader_args(self, sampler, batch_size: int | None = None) -> dict:
         return {
@@ -256,6 +300,15 @@ def _original_prompt(row: dict) -> str | list[dict]:
 
 def _as_messages(prompt: str | list[dict]) -> list[dict]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+def _prompt_key(prompt: str | list[dict]) -> str:
+    """The prompt as comparable text: its messages as JSON (a string prompt as one user message)."""
+    return json.dumps(_as_messages(prompt), sort_keys=True, ensure_ascii=False, default=str)
+
+
+def _shortened(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _columns(row: dict, conversational: bool) -> dict:

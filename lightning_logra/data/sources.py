@@ -13,6 +13,8 @@ import random
 from pathlib import Path
 from typing import NamedTuple
 
+from lightning_logra.data.held_out import check_split, draw_budget, rows_of_split
+
 
 class InvalidJSONLine(NamedTuple):
     """Stands in for a JSONL line that does not parse, so validation can report or skip it."""
@@ -104,34 +106,88 @@ def validate_rows(rows: list, source: str, *, skip_invalid_rows: bool = False) -
     return valid, len(rows) - len(valid)
 
 
-def arithmetic_rows(n: int, seed: int, *, terms: int = 2, max_digits: int = 2) -> list[dict]:
-    """``n`` deterministic problems like ``What is 37 - 8 + 12?`` with integer answers."""
+# Arithmetic spaces up to this many problems are drawn as one shuffle of the whole space, so
+# that a split's distinct prompts are all found (and counted exactly); larger ones by
+# independent draws, at most ``draw_budget(n)``.
+WHOLE_SPACE_LIMIT = 100_000
+
+
+def arithmetic_rows(n: int, seed: int, *, split: str = "train", terms: int = 2, max_digits: int = 2) -> list[dict]:
+    """``n`` deterministic problems of ``split`` (``"train"`` or ``"val"``, see ``held_out``)
+    like ``What is 37 - 8 + 12?`` with integer answers; the same for a (seed, split).
+
+    Operands have up to ``max_digits`` digits: the space has ``arithmetic_space_size``
+    problems, and a small one (one-digit operands: 200 problems) has few of each split, so
+    that rows repeat past them (with a warning; ``arithmetic_prompts`` lists the space).
+    """
     if n < 0 or terms < 2 or max_digits < 1:
         raise ValueError(f"need n >= 0, terms >= 2, max_digits >= 1; got n={n}, terms={terms}, max_digits={max_digits}")
+    task = f"arithmetic:{max_digits} ({terms} terms)"
+    check_split(task, split)
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        numbers = [rng.randint(0, 10**max_digits - 1) for _ in range(terms)]
-        signs = [rng.choice("+-") for _ in range(terms - 1)]
-        expression = str(numbers[0]) + "".join(f" {s} {x}" for s, x in zip(signs, numbers[1:]))
-        total = numbers[0] + sum(x if s == "+" else -x for s, x in zip(signs, numbers[1:]))
-        rows.append({"prompt": f"What is {expression}?", "answer": str(total)})
-    return rows
+    space = arithmetic_space_size(terms, max_digits)
+    whole = space <= WHOLE_SPACE_LIMIT
+    keys = rng.sample(range(space), space) if whole else (rng.randrange(space) for _ in range(draw_budget(n)))
+    candidates = (_arithmetic_row(key, terms, max_digits) for key in keys)
+    return rows_of_split(task, split, n, candidates, exhaustive=whole)
 
 
-def reasoning_gym_rows(task: str, n: int, seed: int) -> list[dict]:
-    """``n`` problems of a reasoning-gym task (e.g. ``basic_arithmetic``, ``chain_sum``), each
-    with its ``task`` and its entry's ``metadata`` (JSON), which the task's scorer may read
-    (``rewards.reasoning_gym.reasoning_gym_reward``)."""
+def arithmetic_space_size(terms: int, max_digits: int) -> int:
+    """The number of distinct problems: every operand from 0 to 10**max_digits - 1, every sign + or -."""
+    return 10 ** (max_digits * terms) * 2 ** (terms - 1)
+
+
+def arithmetic_prompts(terms: int, max_digits: int) -> list[str]:
+    """Every prompt of the space (for counting a small space's prompts per split)."""
+    space = arithmetic_space_size(terms, max_digits)
+    return [_arithmetic_row(key, terms, max_digits)["prompt"] for key in range(space)]
+
+
+def _arithmetic_row(key: int, terms: int, max_digits: int) -> dict:
+    """Problem number ``key`` of the space: its operands and signs are the key's digits in
+    base ``10**max_digits`` and 2."""
+    numbers = []
+    for _ in range(terms):
+        key, number = divmod(key, 10**max_digits)
+        numbers.append(number)
+    signs = []
+    for _ in range(terms - 1):
+        key, minus = divmod(key, 2)
+        signs.append("-" if minus else "+")
+    expression = str(numbers[0]) + "".join(f" {s} {x}" for s, x in zip(signs, numbers[1:]))
+    total = numbers[0] + sum(x if s == "+" else -x for s, x in zip(signs, numbers[1:]))
+    return {"prompt": f"What is {expression}?", "answer": str(total)}
+
+
+# Starts of reasoning-gym's seed ranges: below 2**31, so that start + index stays within the
+# 32-bit seeds some generators pass on to numpy.
+REASONING_GYM_STARTS = 2**31
+
+
+def reasoning_gym_rows(task: str, n: int, seed: int, *, split: str = "train") -> list[dict]:
+    """``n`` problems of ``split`` (``"train"`` or ``"val"``, see ``held_out``) of a
+    reasoning-gym task (e.g. ``basic_arithmetic``, ``chain_sum``), each with its ``task``
+    and its entry's ``metadata`` (JSON), which the task's scorer may read
+    (``rewards.reasoning_gym.reasoning_gym_reward``).
+
+    reasoning-gym makes entry ``i`` of ``create_dataset(task, seed=s)`` from ``s + i``, so
+    datasets of nearby seeds share entries: the candidates are the entries from a start
+    drawn with ``seed`` (one of ``2**31``), at most ``draw_budget(n)`` of them, and those of
+    ``split`` are kept. A task with few distinct problems repeats them, with a warning.
+    """
+    name = f"reasoning_gym:{task}"
+    check_split(name, split)
+    if n < 0:
+        raise ValueError(f"{name}: need n >= 0, got n={n}")
     try:
         import reasoning_gym
     except ImportError as error:
         raise ImportError("reasoning_gym sources need `pip install reasoning-gym`") from error
-    return [
-        {"prompt": entry["question"], "answer": entry["answer"], "task": task,
-         "metadata": json.dumps(entry["metadata"], default=str)}
-        for entry in reasoning_gym.create_dataset(task, size=n, seed=seed)
-    ]
+    start = random.Random(seed).randrange(REASONING_GYM_STARTS)
+    entries = reasoning_gym.create_dataset(task, size=draw_budget(n), seed=start)
+    candidates = ({"prompt": entry["question"], "answer": entry["answer"], "task": task,
+                   "metadata": json.dumps(entry["metadata"], default=str)} for entry in entries)
+    return rows_of_split(name, split, n, candidates, exhaustive=False)
 
 
 def _parse_json(text: str):

@@ -1,5 +1,8 @@
-from lightning_logra.rl.config import LoRAConfig, LossConfig, MultiTurnConfig, OptimizerConfig
+from lightning_logra.rewards.config import RewardConfig
+from lightning_logra.rl.config import (BatchingConfig, LoggingConfig, LoRAConfig, LossConfig, MultiTurnConfig,
+                                       OptimizerConfig)
 from lightning_logra.rollout.config import RolloutConfig
 from lightning_logra.modules.grpo import GRPOModule
 
-__all__ = ["GRPOModule", "LoRAConfig", "LossConfig", "MultiTurnConfig", "OptimizerConfig", "RolloutConfig"]
+__all__ = ["BatchingConfig", "GRPOModule", "LoggingConfig", "LoRAConfig", "LossConfig", "MultiTurnConfig",
+           "OptimizerConfig", "RewardConfig", "RolloutConfig"]

@@ -20,11 +20,11 @@ from transformers import AutoConfig
 from torchmetrics import MeanMetric
 
 from lightning_logra.core.reliability import memory_phase
-from lightning_logra.core.validation import deprecated_attributes, renamed_field
+from lightning_logra.core.validation import deprecated_attributes
 from lightning_logra.data import PromptDataModule
 from lightning_logra.hooks import ReportsLoGRASteps
 from lightning_logra.models import build_model, load_tokenizer, model_source, with_lora
-from lightning_logra.modules.arguments import check_arguments
+from lightning_logra.modules.arguments import DEPRECATED_ALIASES, check_arguments, config_groups, micro_batching
 from lightning_logra.modules.completions import completion_table, log_completion_table
 from lightning_logra.modules.engines import step_low_rank_updates, sync_engine
 from lightning_logra.modules.multi_turn import build_multi_turn, prompt_conversations
@@ -34,21 +34,15 @@ from lightning_logra.modules.prompt_checks import (
     drop_prompts_past_positions,
     warn_if_unscored,
 )
+from lightning_logra.rewards.config import RewardConfig
 from lightning_logra.rewards.runner import RewardRunner, RewardScores
 from lightning_logra.rollout.base import RolloutEngine, Rollouts
 from lightning_logra.rollout.config import RolloutConfig
 from lightning_logra.rollout.engines import build_engine
-from lightning_logra.rl.batch import (
-    BACKWARD_HINT,
-    MicroBatching,
-    RolloutBatch,
-    batch_logprobs,
-    mini_batch_rows,
-    step_kl_terms,
-)
+from lightning_logra.rl.batch import BACKWARD_HINT, RolloutBatch, batch_logprobs, mini_batch_rows, step_kl_terms
 from lightning_logra.rl.collectives import any_rank, gather_objects, gather_ranks
-from lightning_logra.rl.config import LoRAConfig, LossConfig, MultiTurnConfig, OptimizerConfig
-from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE
+from lightning_logra.rl.config import (BatchingConfig, LoggingConfig, LoRAConfig, LossConfig, MultiTurnConfig,
+                                       OptimizerConfig)
 from lightning_logra.rl.losses import NonFiniteRewards, RunningBaseline, group_advantages
 from lightning_logra.rl.metrics import PassTotals, PhaseClock, step_metrics
 from lightning_logra.rl.packing import check_packing
@@ -62,13 +56,9 @@ from lightning_logra.rl.sampling import (
     score_rollouts,
 )
 
-DEFAULT_REWARD = "lightning_logra.rewards.math:math_reward"
 # What shrinks each phase's memory, for the error an out-of-memory in it raises.
 ROLLOUT_HINT = ("rollout.max_new_tokens, rollout.num_generations, prompts per step (data batch_size), "
                 "rollout.gpu_memory_utilization (vLLM)")
-# Renamed arguments: deprecated name -> today's name (each warns once, as a keyword argument,
-# a YAML key or an attribute; checkpoints' hparams hold the new name).
-DEPRECATED_ALIASES: dict[str, str] = {"logprob_chunk_size": "logprob_chunk_positions"}
 MAX_EMPTY_UPDATES = 8  # updates in a row with no token to train on before the run stops
 
 
@@ -82,16 +72,9 @@ class GRPOModule(L.LightningModule):
     its own rows from the safetensors files; call ``configure_model()`` yourself to read or
     change the weights before ``fit``). Batches are ``{"prompt_text": [...], "prompt": [...],
     "answer": [...], <other columns>: [...]}`` (see ``PromptDataModule``); reward functions
-    follow TRL's ``fn(completions, **columns)``. ``micro_batch_size`` rollouts (or, packed,
-    ``micro_batch_tokens`` real tokens) go through each forward/backward; log-probs are
-    computed in chunks of ``logprob_chunk_positions``
-    positions, so full-vocabulary logits of a whole micro-batch never exist.
-
-    Each rollout batch trains ``num_iterations`` passes of ``mini_batches`` optimizer steps
-    (whole prompt groups per mini-batch; ``max_steps`` counts optimizer steps). Every
-    ``log_completions_every`` training steps (0: never) ``log_completions_count`` samples go
-    to the loggers as a table; with ``log_val_completions`` every validation's samples do,
-    all of them (``val_completions/step_<step>.json`` in MLflow).
+    follow TRL's ``fn(completions, **columns)``. Each rollout batch trains
+    ``batching.num_iterations`` passes of ``batching.mini_batches`` optimizer steps
+    (``max_steps`` counts optimizer steps), micro-batched by ``batching``.
 
     When the fit starts, a ``PromptDataModule``'s data is checked against the module: with
     the built-in math reward a split without any ``answer`` is refused, with the code reward
@@ -100,37 +83,22 @@ class GRPOModule(L.LightningModule):
     (see ``lightning_logra.modules.prompt_checks``). A batch that no reward function scored
     warns once.
 
-    Integer and number arguments are checked like the config dataclasses' fields
-    (``GRPOModule.<argument> = <value> is invalid: must be ...``). ``logprob_chunk_size`` is
-    the deprecated name of ``logprob_chunk_positions`` (it warns once).
+    Settings are checked when the module is built (``BatchingConfig.<field> = <value> is
+    invalid: must be ...``, ``GRPOModule.<argument> = ...``). The groups' fields' old flat
+    names (``micro_batch_size``, ``rewards``, ...: ``DEPRECATED_ALIASES``) still work as
+    keyword arguments, YAML keys and attributes to read, each warning once.
 
     Args:
         loss: the loss and its options (``LossConfig``; default GRPO).
         rollout: sampling and the rollout engine (``RolloutConfig``).
         optimizer: AdamW and its schedule for dense and LoRA runs (``OptimizerConfig``); a
             LoGRA step ignores it unless ``logra.follow_lr_schedule`` is set.
-        rewards: reward functions as import paths ``"module:function"``, each TRL's
-            ``fn(completions, **columns) -> list[float | None]``; default: the built-in math reward.
-        reward_weights: one weight per reward function (default 1 each).
-        reward_timeout_s: seconds each reward function may take on a batch, at most 86400
-            (24 h); past it the function's scores for the batch are failures (0, counted).
-        reward_max_consecutive_timeouts: batches in a row on which one reward function may
-            time out before the run stops with an error naming it (each timeout of a function
-            run in a thread leaves that thread behind).
-        micro_batch_size: rollouts per forward/backward, left-padded to the longest (the
-            default way to micro-batch); also the rows per no-grad forward of the old and
-            reference log-probs.
-        micro_batch_tokens: instead of ``micro_batch_size``, group rollouts into
-            micro-batches of at most this many real tokens (prompt + completion; first-fit
-            decreasing) and run each as one packed row whose position ids restart per
-            sequence: no padding token is computed in the policy's forward/backward, the
-            old and reference log-probs, or LoGRA's KL probe. Log-probs, losses and
-            gradients equal the padded computation's (to float rounding). A sequence longer
-            than the budget runs alone (one warning names the budget). Needs a model whose
-            attention follows packed ``position_ids`` with no attention mask: when the fit
-            starts, packed and padded log-probs of a small random batch are compared and a
-            model whose differ (e.g. OPT, BLOOM) is refused, naming its class.
-            None: ``micro_batch_size``.
+        reward: the reward functions, their weights and timeouts (``RewardConfig``; default:
+            the built-in math reward).
+        batching: passes, mini-batches and micro-batches of each rollout batch, and the
+            log-prob chunk (``BatchingConfig``).
+        logging: tables of sampled completions and the per-step KL (``LoggingConfig``; default:
+            neither).
         lora: train LoRA adapters of this shape (peft) instead of the full weights (dense or
             LoRA baseline); None trains the full weights.
         activation_checkpointing: recompute each decoder layer's activations in backward
@@ -146,11 +114,6 @@ class GRPOModule(L.LightningModule):
             public methods are tools, with ``reset(**row)`` and optionally ``get_reward()``; one
             instance per rollout.
         multi_turn: turns, tool timeouts and the chat template of tool rollouts (``MultiTurnConfig``).
-        measure_step_kl: after every optimizer step, one more no-grad forward over its rollouts
-            measures how far the step moved the policy: ``policy/step_kl``, the k3 estimate
-            of KL(before || after) on the trained tokens, for any method (dense, LoRA, LoGRA).
-        log_val_completions: log every validation sample (prompt, completion, answer, rewards)
-            as a table, gathered from every rank: per-prompt results to compare runs on.
     """
 
     def __init__(
@@ -159,54 +122,44 @@ class GRPOModule(L.LightningModule):
         loss: LossConfig | None = None,
         rollout: RolloutConfig | None = None,
         optimizer: OptimizerConfig | None = None,
-        rewards: list[str] | None = None,
-        reward_weights: list[float] | None = None,
-        reward_timeout_s: float = 10.0,
-        reward_max_consecutive_timeouts: int = 3,
+        reward: RewardConfig | None = None,
+        batching: BatchingConfig | None = None,
+        logging: LoggingConfig | None = None,
         lora: LoRAConfig | None = None,
-        micro_batch_size: int = 4,
-        micro_batch_tokens: int | None = None,
-        num_iterations: int = 1,
-        mini_batches: int = 1,
-        log_completions_every: int = 0,
-        log_completions_count: int = 8,
         activation_checkpointing: bool = True,
-        logprob_chunk_positions: int = DEFAULT_CHUNK_SIZE,
         cache_dir: str | None = None,
         seed: int = 0,
         tools: list[str] | None = None,
         environment_factory: str | None = None,
         multi_turn: MultiTurnConfig | None = None,
-        measure_step_kl: bool = False,
-        log_val_completions: bool = False,
+        # Deprecated (DEPRECATED_ALIASES): keyword arguments and YAML keys, None meaning not given.
+        rewards: list[str] | None = None,
+        reward_weights: list[float] | None = None,
+        reward_timeout_s: float | None = None,
+        reward_max_consecutive_timeouts: int | None = None,
+        micro_batch_size: int | None = None,
+        micro_batch_tokens: int | None = None,
+        num_iterations: int | None = None,
+        mini_batches: int | None = None,
+        logprob_chunk_positions: int | None = None,
         logprob_chunk_size: int | None = None,
+        log_completions_every: int | None = None,
+        log_completions_count: int | None = None,
+        log_val_completions: bool | None = None,
+        measure_step_kl: bool | None = None,
     ) -> None:
         super().__init__()
-        logprob_chunk_positions = renamed_field("GRPOModule", "logprob_chunk_size", "logprob_chunk_positions",
-                                                logprob_chunk_size, logprob_chunk_positions, DEFAULT_CHUNK_SIZE,
-                                                stacklevel=3)
-        self.save_hyperparameters(ignore=list(DEPRECATED_ALIASES))  # the new names only
+        flat = {name: value for name, value in locals().items() if name in DEPRECATED_ALIASES}
+        reward, batching, logging = config_groups(reward, batching, logging, flat)
+        self.save_hyperparameters(ignore=list(DEPRECATED_ALIASES))  # the groups, as built above
         self.loss_config = loss or LossConfig()
         self.rollout_config = rollout or RolloutConfig()
         self.optimizer_config = optimizer or OptimizerConfig()
-        check_arguments(self.loss_config, self.rollout_config, lora, {
-            "reward_timeout_s": reward_timeout_s, "reward_max_consecutive_timeouts": reward_max_consecutive_timeouts,
-            "micro_batch_size": micro_batch_size, "micro_batch_tokens": micro_batch_tokens,
-            "num_iterations": num_iterations, "mini_batches": mini_batches,
-            "log_completions_every": log_completions_every, "log_completions_count": log_completions_count,
-            "activation_checkpointing": activation_checkpointing, "logprob_chunk_positions": logprob_chunk_positions,
-            "seed": seed, "measure_step_kl": measure_step_kl, "log_val_completions": log_val_completions,
-        })
-        self.micro_batch_size = micro_batch_size
-        self.micro_batch_tokens = micro_batch_tokens
-        self.num_iterations = num_iterations
-        self.mini_batches = mini_batches
-        self.log_completions_every = log_completions_every
-        self.log_completions_count = log_completions_count
-        self.logprob_chunk_positions = logprob_chunk_positions
+        check_arguments(self.loss_config, self.rollout_config, lora,
+                        {"activation_checkpointing": activation_checkpointing, "seed": seed})
+        self.reward, self.batching, self.logging = reward, batching, logging
+        self._micro_batching = micro_batching(self.loss_config, self.rollout_config, batching)
         self.seed = seed
-        self.measure_step_kl = measure_step_kl
-        self.log_val_completions = log_val_completions
         self._val_tables: list[dict[str, list]] = []
         self.automatic_optimization = False
 
@@ -228,8 +181,8 @@ class GRPOModule(L.LightningModule):
         self.multi_turn = build_multi_turn(tools, environment_factory, multi_turn or MultiTurnConfig(),
                                            self.rollout_config.max_new_tokens, self.tokenizer,
                                            getattr(self.model_config, "max_position_embeddings", None))
-        self.reward_runner = RewardRunner(rewards or [DEFAULT_REWARD], weights=reward_weights, timeout_s=reward_timeout_s,
-                                          max_consecutive_timeouts=reward_max_consecutive_timeouts)
+        self.reward_runner = RewardRunner(reward.functions, weights=reward.weights, timeout_s=reward.timeout_s,
+                                          max_consecutive_timeouts=reward.max_consecutive_timeouts)
         self.baseline = RunningBaseline(self.loss_config.baseline_weight, self.loss_config.failure_reward)
         self.val_pass_at_1 = MeanMetric()
         self.val_pass_at_n = MeanMetric()
@@ -273,9 +226,9 @@ class GRPOModule(L.LightningModule):
                                         0 if self.multi_turn is None else self.multi_turn.tool_prompt_tokens())
 
     def on_fit_start(self) -> None:
-        """With ``micro_batch_tokens``, refuse a policy whose packed log-probs differ from its
-        padded ones (``check_packing``), once the strategy has placed and filled it."""
-        if self.micro_batch_tokens is None:
+        """With ``batching.micro_batch_tokens``, refuse a policy whose packed log-probs differ
+        from its padded ones (``check_packing``), once the strategy has placed and filled it."""
+        if self.batching.micro_batch_tokens is None:
             return
         check_packing(self.policy, any_rank=lambda flag: any_rank(flag, self.device))
         if hasattr(self.policy, "reshard"):  # FSDP2: no backward follows this forward
@@ -290,7 +243,7 @@ class GRPOModule(L.LightningModule):
         torch.manual_seed(sampling_seed(self.seed, self.global_step, self.global_rank))
         # Checked before anything is generated; dynamic sampling keeps the number of rows.
         mini_batches = mini_batch_rows(len(batch["prompt_text"]) * self.rollout_config.num_generations,
-                                       self.rollout_config.num_generations, self.mini_batches)
+                                       self.rollout_config.num_generations, self.batching.mini_batches)
         scored, sampling = self._sample(batch, phases)
         advantages = self._advantages(scored.rewards)
         phases.lap("rewards")
@@ -310,14 +263,14 @@ class GRPOModule(L.LightningModule):
                 # follows; the reference's embeddings and head would stay whole all step.
                 self.reference.reshard()
             phases.lap("reference")
-        if self.num_iterations * self.mini_batches > 1:
+        if self.batching.num_iterations * self.batching.mini_batches > 1:
             # The PPO ratio's denominator: the weights that sampled, before the first update.
             with torch.no_grad(), memory_phase("backward", BACKWARD_HINT):
                 rollout_batch.old_logprobs = batch_logprobs(self.policy, input_ids, attention_mask, self._micro_batching)
             phases.lap("old_logprobs")
 
         passes = PassTotals.zeros(self.device)
-        for _ in range(self.num_iterations):
+        for _ in range(self.batching.num_iterations):
             for rows in mini_batches:
                 trained = self._update(rollout_batch, rows, passes, phases)
                 if rollout_batch.old_logprobs is None:  # one update: its log-probs are those of the weights that sampled
@@ -359,19 +312,12 @@ class GRPOModule(L.LightningModule):
         passes.updates += 1
         self._empty_updates_in_a_row = 0
         phases.lap("optimizer_step")  # under logra_fsdp the whole LoGRA update, split further in perf/logra_*
-        if self.measure_step_kl:
+        if self.logging.step_kl:
             passes.add_step_kl(*step_kl_terms(self.policy, batch, rows, update.trainer_logprobs, self._micro_batching))
             if hasattr(self.policy, "reshard"):  # as for the reference: no backward follows this forward
                 self.policy.reshard()
             phases.lap("step_kl")
         return update.trainer_logprobs
-
-    @property
-    def _micro_batching(self) -> MicroBatching:
-        return MicroBatching(loss=self.loss_config, micro_batch_size=self.micro_batch_size,
-                             temperature=self.rollout_config.temperature, chunk_size=self.logprob_chunk_positions,
-                             max_completion_length=self.rollout_config.max_new_tokens, tis=self._tis,
-                             micro_batch_tokens=self.micro_batch_tokens)
 
     def _count_empty_update(self, passes: PassTotals) -> None:
         """An update with nothing to train on is skipped and counted; a run of them means the
@@ -432,16 +378,11 @@ class GRPOModule(L.LightningModule):
         return draw_prompts(self.trainer.train_dataloader, count, seed)
 
     def _log_completions(self, scored: ScoredRollouts, first_step: int) -> None:
-        every = self.log_completions_every
-        training_step = first_step // (self.num_iterations * self.mini_batches)
+        every = self.logging.completions_every
+        training_step = first_step // (self.batching.num_iterations * self.batching.mini_batches)
         if every and training_step % every == 0 and self.global_rank == 0 and self.loggers:
-            table = completion_table(scored, step=first_step, count=self.log_completions_count)
+            table = completion_table(scored, step=first_step, count=self.logging.completions_count)
             log_completion_table(self.loggers, table, step=first_step)
-
-    @property
-    def _tis(self) -> bool:
-        """Truncated importance sampling in the clipped losses: as set, else with vLLM only."""
-        return self.loss_config.tis if self.loss_config.tis is not None else self.rollout_config.engine == "vllm"
 
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         loss = self.loss_config
@@ -466,7 +407,7 @@ class GRPOModule(L.LightningModule):
         scores, columns = score_rollouts(self.reward_runner, rollouts, batch, n)
         self._warn_if_unscored(scores, columns)
         totals = torch.tensor(scores.total, device=self.device)
-        if self.log_val_completions:
+        if self.logging.val_completions:
             scored = ScoredRollouts(rollouts, columns, scores, totals)
             self._val_tables.append(completion_table(scored, step=self.global_step, count=totals.numel()))
         correct = (totals > 0).float().view(-1, n)
@@ -479,7 +420,7 @@ class GRPOModule(L.LightningModule):
         self._val_tables = []  # nothing left over from an interrupted validation
 
     def on_validation_epoch_end(self) -> None:
-        if not self.log_val_completions:
+        if not self.logging.val_completions:
             return
         tables = gather_objects(self._val_tables)
         if self.global_rank == 0 and tables:

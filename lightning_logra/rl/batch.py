@@ -26,7 +26,8 @@ from lightning_logra.rl.packing import row_micro_batches, token_micro_batches
 from lightning_logra.rollout.base import Rollouts
 
 # What shrinks the forward/backward's memory, for the error an out-of-memory there raises.
-BACKWARD_HINT = "micro_batch_size (or micro_batch_tokens), activation_checkpointing=true, logprob_chunk_positions"
+BACKWARD_HINT = ("batching.micro_batch_size (or batching.micro_batch_tokens), activation_checkpointing=true, "
+                 "batching.logprob_chunk_positions")
 
 
 @dataclass
@@ -198,7 +199,7 @@ def mini_batch_rows(rows: int, num_generations: int, mini_batches: int) -> list[
     """Consecutive row ranges of whole prompt groups, one per optimizer step."""
     prompts = rows // num_generations
     if prompts % mini_batches:
-        raise ValueError(f"mini_batches = {mini_batches} must divide the {prompts} prompts of a step on each "
+        raise ValueError(f"batching.mini_batches = {mini_batches} must divide the {prompts} prompts of a step on each "
                          "rank (the data module's batch_size)")
     size = rows // mini_batches
     return [slice(start, start + size) for start in range(0, rows, size)]

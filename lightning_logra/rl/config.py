@@ -1,5 +1,6 @@
 """The GRPO module's settings, as dataclasses that YAML configs fill in (the rollout's,
-``RolloutConfig``, is ``rollout/config.py``'s)."""
+``RolloutConfig``, is ``rollout/config.py``'s; the rewards', ``RewardConfig``,
+``rewards/config.py``'s)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from lightning_logra.core.config import DEFAULT_TARGET_MODULES
 from lightning_logra.core.validation import FieldChecks
+from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE
 # Moved to rollout/config.py; still importable here, where checkpoints written before the move name it.
 from lightning_logra.rollout.config import RolloutConfig  # noqa: F401
 
@@ -149,9 +151,77 @@ class LoRAConfig:
         check.names("target_modules")
 
 
+@dataclass
+class BatchingConfig:
+    """How each rollout batch trains: ``num_iterations`` passes of ``mini_batches`` optimizer
+    steps (whole prompt groups per mini-batch; ``max_steps`` counts optimizer steps), each
+    step's rollouts going through forward/backward ``micro_batch_size`` at a time (or packed
+    by ``micro_batch_tokens``), their log-probs computed in chunks of
+    ``logprob_chunk_positions`` positions, so full-vocabulary logits of a whole micro-batch
+    never exist."""
+
+    micro_batch_size: int = 4
+    """Rollouts per forward/backward, left-padded to the longest (the default way to
+    micro-batch); also the rows per no-grad forward of the old and reference log-probs."""
+    micro_batch_tokens: int | None = None
+    """Instead of ``micro_batch_size``, group rollouts into micro-batches of at most this
+    many real tokens (prompt + completion; first-fit decreasing) and run each as one packed
+    row whose position ids restart per sequence: no padding token is computed in the
+    policy's forward/backward, the old and reference log-probs, or LoGRA's KL probe.
+    Log-probs, losses and gradients equal the padded computation's (to float rounding). A
+    sequence longer than the budget runs alone (one warning names the budget). Needs a model
+    whose attention follows packed ``position_ids`` with no attention mask: when the fit
+    starts, packed and padded log-probs of a small random batch are compared and a model
+    whose differ (e.g. OPT, BLOOM) is refused, naming its class. None: ``micro_batch_size``."""
+    num_iterations: int = 1
+    """Passes over each rollout batch (TRL's and verl's ``num_iterations``, ``ppo_epochs``)."""
+    mini_batches: int = 1
+    """Optimizer steps per pass; a mini-batch is whole prompt groups, so it must divide the
+    prompts per rank (the data module's ``batch_size``)."""
+    logprob_chunk_positions: int = DEFAULT_CHUNK_SIZE
+    """Log-probs are computed in chunks of this many positions: one chunk's full-vocabulary
+    logits exist at a time, in forward and in backward."""
+
+    def __post_init__(self) -> None:
+        check = FieldChecks.of(self)
+        check.integer("micro_batch_size", at_least=1)
+        check.integer("micro_batch_tokens", at_least=1, optional=True)
+        check.integer("num_iterations", at_least=1)
+        check.integer("mini_batches", at_least=1)
+        check.integer("logprob_chunk_positions", at_least=1)
+
+
+@dataclass
+class LoggingConfig:
+    """What ``GRPOModule`` logs beyond its metrics: tables of sampled completions, and how far
+    each optimizer step moved the policy."""
+
+    completions_every: int = 0
+    """Every this many training steps, a table ``step, prompt, completion, answer, reward,
+    reward/<function>..., length, truncated`` of ``completions_count`` samples goes to the
+    loggers (an MLflow table artifact ``completions/step_<step>.json``); 0: never."""
+    completions_count: int = 8
+    """Samples in each ``completions_every`` table."""
+    val_completions: bool = False
+    """Log every validation sample (prompt, completion, answer, rewards) as a table, all of
+    them, gathered from every rank (``val_completions/step_<step>.json`` in MLflow):
+    per-prompt results to compare runs on."""
+    step_kl: bool = False
+    """After every optimizer step, one more no-grad forward over its rollouts measures how far
+    the step moved the policy: ``policy/step_kl``, the k3 estimate of KL(before || after) on
+    the trained tokens, for any method (dense, LoRA, LoGRA)."""
+
+    def __post_init__(self) -> None:
+        check = FieldChecks.of(self)
+        check.integer("completions_every", at_least=0)
+        check.integer("completions_count", at_least=1)
+        check.boolean("val_completions")
+        check.boolean("step_kl")
+
+
 # Plain dataclasses, safe to rebuild: checkpoints that hold them as hyper-parameters load
 # under torch.load's default weights_only=True, as Lightning passes it.
-torch.serialization.add_safe_globals([LossConfig, OptimizerConfig, LoRAConfig])
+torch.serialization.add_safe_globals([LossConfig, OptimizerConfig, LoRAConfig, BatchingConfig, LoggingConfig])
 
 
 def lr_factor(step: int, config: OptimizerConfig) -> float:

@@ -35,7 +35,7 @@ class PassTotals:
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     updates: int = 0
     skipped_updates: int = 0
-    # With GRPOModule(measure_step_kl=True): k3 summed over every update's trained tokens, and their count.
+    # With GRPOModule's logging.step_kl: k3 summed over every update's trained tokens, and their count.
     step_kl: torch.Tensor | None = None
     step_kl_tokens: torch.Tensor | None = None
 

@@ -57,8 +57,9 @@ def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
         room[target] -= length
     if oversized:
         # One message per budget: Python's warning filter shows it once per process.
-        warnings.warn(f"micro_batch_tokens = {budget} is less than the real tokens of some sequences: each of them "
-                      "runs as a micro-batch of its own (raise micro_batch_tokens to bound every micro-batch)",
+        warnings.warn(f"batching.micro_batch_tokens = {budget} is less than the real tokens of some sequences: each "
+                      "of them runs as a micro-batch of its own (raise batching.micro_batch_tokens to bound every "
+                      "micro-batch)",
                       stacklevel=2)
     return [sorted(group) for group in groups]
 
@@ -116,8 +117,8 @@ def check_packing(model: nn.Module, *, any_rank: Callable[[bool], bool] = bool) 
         raise ValueError(
             f"{model_class_name(model)}: packed log-probs differ from the padded ones by up to {difference:.2g} on a "
             f"test batch ({dtype} weights allow {tolerance:g}): this model's attention does not follow packed "
-            "position ids, so micro_batch_tokens would train on wrong log-probs; unset micro_batch_tokens (and set "
-            "micro_batch_size) to train it on padded micro-batches")
+            "position ids, so batching.micro_batch_tokens would train on wrong log-probs; unset "
+            "batching.micro_batch_tokens (and set batching.micro_batch_size) to train it on padded micro-batches")
     return difference
 
 

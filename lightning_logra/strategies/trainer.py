@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -14,7 +14,6 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
-from lightning_logra.callbacks.logra import LoGRACallback
 from lightning_logra.core.config import LoGRAConfig
 from lightning_logra.core.report import StepReport
 from lightning_logra.core.step_inputs import LoGRAStepInputs
@@ -24,6 +23,13 @@ from lightning_logra.strategies.checkpoints.strategy import CheckpointFoldersMix
 from lightning_logra.strategies.checkpoints.writer_lock import DEFAULT_LEASE_S, hold
 from lightning_logra.strategies.runtime import LoGRARuntimeMixin, compute_dtype_for
 from lightning_logra.strategies.sharding import DataParallelShardingMixin
+
+
+@runtime_checkable
+class AsksForMeasuredKL(Protocol):
+    """A callback that wants the true KL of every update measured (``LoGRACallback(measure_kl=True)``)."""
+
+    measure_kl: bool
 
 
 class LoGRAFSDPStrategy(LoGRARuntimeMixin, DataParallelShardingMixin, CheckpointFoldersMixin,
@@ -113,7 +119,7 @@ class LoGRAFSDPStrategy(LoGRARuntimeMixin, DataParallelShardingMixin, Checkpoint
         super(ModelParallelStrategy, self).setup(trainer)
         self.runtime.install(module, compute_dtype=compute_dtype)
         self.runtime.remember_base_lr(self.optimizers)
-        self.runtime.measure_kl = any(isinstance(callback, LoGRACallback) and callback.measure_kl
+        self.runtime.measure_kl = any(isinstance(callback, AsksForMeasuredKL) and callback.measure_kl
                                       for callback in trainer.callbacks)
 
     @override

@@ -2,10 +2,11 @@
 
 import re
 import warnings
+from types import SimpleNamespace
 
 import pytest
 
-from lightning_logra.core.validation import FieldChecks, renamed_field
+from lightning_logra.core.validation import FieldChecks, deprecated_attributes, renamed_field
 
 
 def refused(check: str, value, **bounds) -> str:
@@ -65,3 +66,17 @@ def test_a_renamed_field_warns_once_per_name_and_returns_the_old_value(no_alias_
 def test_a_renamed_field_given_under_both_names_raises(no_alias_warned_yet):
     with pytest.raises(ValueError, match=r"Owner.old = 5 and Owner.new = 2 are both given.*give new only"):
         renamed_field("Owner", "old", "new", 5, 2, 1)
+
+
+def test_a_name_deprecated_for_a_group_field_reads_it_and_refuses_writes(no_alias_warned_yet):
+    @deprecated_attributes({"old": "group.new"})
+    class Owner:
+        def __init__(self):
+            self.group = SimpleNamespace(new=3)
+
+    owner = Owner()
+    with pytest.warns(FutureWarning, match=re.escape("Owner.old is deprecated: use group.new")):
+        assert owner.old == 3
+    with pytest.raises(AttributeError, match=r"Owner\.old is deprecated and read-only: set group\.new when building"):
+        owner.old = 4
+    assert owner.group.new == 3

@@ -6,7 +6,8 @@ import re
 import pytest
 
 from lightning_logra.data import PromptDataModule, code_rows
-from lightning_logra.data.code_tasks import TEMPLATES, TESTS_PER_ROW
+from lightning_logra.data.code_tasks import TEMPLATES, TESTS_PER_ROW, code_prompts
+from lightning_logra.data.held_out import split_counts
 from lightning_logra.rewards.code import code_execution_reward
 from lightning_logra.rewards.code_tests import CallTest, parse_tests
 from lightning_logra.sandbox import namespaces_problem
@@ -33,7 +34,9 @@ def test_rows_ask_for_f_and_hide_well_formed_tests(level):
 @pytest.mark.skipif(NAMESPACES is not None, reason=f"no sandbox namespaces here: {NAMESPACES}")
 @pytest.mark.parametrize("level", sorted(TEMPLATES))
 def test_every_reference_solution_passes_its_own_tests_in_the_sandbox(level):
-    rows = code_rows(200, seed=1, level=level)
+    # Every prompt of the level, once: each split's.
+    counts = split_counts(code_prompts(level))
+    rows = [row for split, count in counts.items() for row in code_rows(count, seed=1, split=split, level=level)]
     # One row of each template (their solutions differ but in the constants).
     by_template = {}
     for row in rows:
@@ -49,7 +52,7 @@ def test_the_code_source_carries_the_tests_column():
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     assert batch["answer"] == [None, None] and all(len(tests) == TESTS_PER_ROW for tests in batch["tests"])
-    assert data.datasets["val"].columns[0]["prompt"] == code_rows(2, seed=1)[0]["prompt"]  # validation: seed + 1
+    assert data.datasets["val"].columns[0]["prompt"] == code_rows(2, seed=0, split="val")[0]["prompt"]
 
 
 @pytest.mark.parametrize("source", ["code:3", "code:x"])

@@ -124,10 +124,11 @@ def test_arithmetic_rows_are_deterministic_and_correct():
 
 
 def test_reasoning_gym_rows_are_valid_and_the_same_for_a_seed():
-    rows = reasoning_gym_rows("basic_arithmetic", 3, seed=1)
-    assert rows == reasoning_gym_rows("basic_arithmetic", 3, seed=1)
-    assert len(rows) == 3
-    assert validate_rows(rows, "reasoning_gym:basic_arithmetic") == (rows, 0)
+    for split in ("train", "val"):
+        rows = reasoning_gym_rows("basic_arithmetic", 3, seed=1, split=split)
+        assert rows == reasoning_gym_rows("basic_arithmetic", 3, seed=1, split=split)
+        assert len(rows) == 3
+        assert validate_rows(rows, "reasoning_gym:basic_arithmetic") == (rows, 0)
 
 
 def test_datamodule_renders_chat_prompts_and_batches(tmp_path):
@@ -146,7 +147,7 @@ def test_datamodule_without_chat_template_uses_the_plain_prompt():
     data = PromptDataModule("arithmetic", val="arithmetic", batch_size=4, train_size=8, val_size=4, system_prompt="Sys")
     data.setup("fit")
     val = next(iter(data.val_dataloader()))
-    expected = arithmetic_rows(4, seed=1)  # validation draws from seed + 1, in order
+    expected = arithmetic_rows(4, seed=0, split="val")  # in order
     assert val["prompt_text"] == [f"Sys\n\n{row['prompt']}" for row in expected]
     assert val["answer"] == [row["answer"] for row in expected]
 
@@ -160,7 +161,7 @@ def test_val_batch_size_sets_the_validation_batches_only():
     default.setup("fit")
     assert [len(batch["prompt"]) for batch in default.val_dataloader()] == [2, 2]
     rows = [row for batch in data.val_dataloader() for row in batch["prompt"]]
-    assert rows == [row["prompt"] for row in arithmetic_rows(10, seed=1)]
+    assert rows == [row["prompt"] for row in arithmetic_rows(10, seed=0, split="val")]
 
 
 def test_datamodule_skips_invalid_and_long_rows(tmp_path):
@@ -307,8 +308,9 @@ CHAT_PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "con
 
 def first_val_batch(tmp_path, rows, **options):
     """The rows as one batch of the (unshuffled) validation loader."""
+    train = write_jsonl(tmp_path / "train.jsonl", [json.dumps({"prompt": "A training prompt."})])
     path = write_jsonl(tmp_path / "rows.jsonl", [json.dumps(row) for row in rows])
-    data = PromptDataModule(path, val=path, tokenizer=byte_tokenizer(tmp_path), batch_size=len(rows), **options)
+    data = PromptDataModule(train, val=path, tokenizer=byte_tokenizer(tmp_path), batch_size=len(rows), **options)
     data.setup("fit")
     return next(iter(data.val_dataloader()))
 
@@ -385,6 +387,7 @@ def test_instruction_needs_a_user_message_in_a_conversational_prompt(tmp_path):
     ("max_prompt_tokens", 0, "an integer >= 1 or None"),
     ("skip_invalid_rows", "yes", "true or false"),
     ("val_batch_size", 0, "an integer >= 1 or None"),
+    ("allow_train_val_overlap", "yes", "true or false"),
 ])
 def test_datamodule_arguments_are_checked_like_config_fields(argument, value, allowed):
     with pytest.raises(ValueError, match=rf"PromptDataModule\.{argument} = {re.escape(repr(value))} is invalid: "

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from lightning_logra import LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.data import PromptDataModule
 from lightning_logra.models import load_policy
-from lightning_logra.modules import GRPOModule, LossConfig, OptimizerConfig, RolloutConfig
+from lightning_logra.modules import BatchingConfig, GRPOModule, LossConfig, OptimizerConfig, RewardConfig, RolloutConfig
 from lightning_logra.rl.logprobs import sequence_logprobs
 from tests.helpers.lightning import record_step_inputs
 
@@ -27,8 +27,13 @@ SEEN: dict[str, list] = {}  # the arguments recording_reward was last called wit
 
 
 def rewards(name: str) -> list[str]:
-    """The ``rewards`` argument for one of this module's reward functions."""
+    """The ``reward.functions`` list of one of this module's reward functions."""
     return [f"tests.helpers.grpo:{name}"]
+
+
+def reward_config(name: str, **options) -> RewardConfig:
+    """A ``RewardConfig`` of one of this module's reward functions, with ``options``."""
+    return RewardConfig(functions=rewards(name), **options)
 
 
 def varied_reward(completions, **kwargs):
@@ -74,8 +79,8 @@ def grpo_module(folder, **overrides) -> GRPOModule:
         model=folder,
         rollout=RolloutConfig(num_generations=2, max_new_tokens=6, val_generations=2),
         optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, decay_steps=0),
-        micro_batch_size=2,
-        rewards=rewards("varied_reward"),
+        batching=BatchingConfig(micro_batch_size=2),
+        reward=reward_config("varied_reward"),
     )
     options.update(overrides)
     return GRPOModule(**options)
@@ -148,7 +153,7 @@ LOGIT_TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual
 def grpo_for_export(folder: str, **overrides) -> GRPOModule:
     """Like grpo_module, shorter: at most 4 new tokens, no validation, no activation checkpointing."""
     options = dict(
-        model=folder, rewards=rewards("varied_reward"), micro_batch_size=2,
+        model=folder, reward=reward_config("varied_reward"), batching=BatchingConfig(micro_batch_size=2),
         rollout=RolloutConfig(num_generations=2, max_new_tokens=4),
         optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, decay_steps=0), activation_checkpointing=False,
     )

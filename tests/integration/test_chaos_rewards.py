@@ -6,7 +6,7 @@ per plain reward function, forked from a forkserver."""
 import pytest
 import torch
 
-from lightning_logra.rewards import RewardWarning
+from lightning_logra.rewards import RewardConfig, RewardWarning
 from lightning_logra.rl.losses import NonFiniteRewards
 from tests.helpers.grpo import fit_grpo, grpo_module, rewards
 
@@ -17,8 +17,9 @@ TIMEOUT_S = 1.0
 
 def test_chaos_rewards_cost_at_most_their_timeout_and_leave_the_weights_finite(model_folder):
     # Two functions time out on every step: a limit of 4 timeouts in a row lets 3 steps run.
-    grpo = grpo_module(model_folder, rewards=[f"tests.helpers.chaos_rewards:{name}" for name in CHAOS]
-                       + rewards("varied_reward"), reward_timeout_s=TIMEOUT_S, reward_max_consecutive_timeouts=4)
+    functions = [f"tests.helpers.chaos_rewards:{name}" for name in CHAOS] + rewards("varied_reward")
+    reward = RewardConfig(functions=functions, timeout_s=TIMEOUT_S, max_consecutive_timeouts=4)
+    grpo = grpo_module(model_folder, reward=reward)
     grpo.reward_runner.start()  # the forkserver's first start imports the package: not a step's cost
     caught = []
     trainer, logged = fit_grpo(grpo, model_folder, steps=3, caught_warnings=caught)
@@ -33,8 +34,8 @@ def test_chaos_rewards_cost_at_most_their_timeout_and_leave_the_weights_finite(m
 
 
 def test_reward_functions_that_keep_timing_out_stop_the_run(model_folder):
-    grpo = grpo_module(model_folder, rewards=["tests.helpers.chaos_rewards:hanging_reward"],
-                       reward_timeout_s=TIMEOUT_S, reward_max_consecutive_timeouts=2)
+    grpo = grpo_module(model_folder, reward=RewardConfig(functions=["tests.helpers.chaos_rewards:hanging_reward"],
+                                                         timeout_s=TIMEOUT_S, max_consecutive_timeouts=2))
     grpo.reward_runner.start()
     with pytest.raises(RuntimeError, match=r"'hanging_reward' did not return within timeout_s=1.0 s on 2 batches"):
         fit_grpo(grpo, model_folder, steps=3)
@@ -42,7 +43,7 @@ def test_reward_functions_that_keep_timing_out_stop_the_run(model_folder):
 
 def test_rewards_whose_advantages_overflow_stop_the_step_naming_the_reward_function(model_folder):
     # 3e38 is finite in float32, but a group's mean of two of them is not.
-    grpo = grpo_module(model_folder, rewards=["tests.helpers.chaos_rewards:float32_max_reward"])
+    grpo = grpo_module(model_folder, reward=RewardConfig(functions=["tests.helpers.chaos_rewards:float32_max_reward"]))
     with pytest.raises(NonFiniteRewards, match=r"group advantages: 4 of 4 values are not finite .*"
                                                r"scale down the rewards of 'float32_max_reward' \(weight 1.0\)"):
         fit_grpo(grpo, model_folder, steps=1)

@@ -144,7 +144,7 @@ def test_deprecated_names_in_a_yaml_config_warn_once_each_and_apply(tmp_path, mo
     ]
     config = cli.trainer.strategy.logra_config
     assert (config.redraw_projections, config.probe_temperature, config.probe_chunk_positions) == (False, 0.9, 32)
-    assert cli.model.logprob_chunk_positions == 64
+    assert cli.model.batching.logprob_chunk_positions == 64
 
 
 def test_shipped_configs_use_no_deprecated_name():

@@ -39,8 +39,8 @@ model:
   class_path: tests.helpers.grpo.RecordingGRPO
   init_args:
     model: {model}
-    rewards: [tests.helpers.grpo:varied_reward]
-    micro_batch_size: 2
+    reward: {{functions: [tests.helpers.grpo:varied_reward]}}
+    batching: {{micro_batch_size: 2}}
     record_to: {root}/final.pt
     loss: {{type: reinforce_baseline}}
     rollout: {{num_generations: 2, max_new_tokens: 5}}

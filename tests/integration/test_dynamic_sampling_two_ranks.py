@@ -5,13 +5,14 @@ import pytest
 import torch
 
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
-from lightning_logra.modules import RolloutConfig
+from lightning_logra.modules import BatchingConfig, RolloutConfig
 from tests.helpers.distributed import run_lightning_on_two_ranks
-from tests.helpers.grpo import fit_grpo, grpo_module, rewards
+from tests.helpers.grpo import fit_grpo, grpo_module, reward_config
 
 
 def _two_rank_dynamic_mini_batches(rank, world, folder):
-    grpo = grpo_module(folder, mini_batches=2, rewards=rewards("odd_answer_reward"),
+    grpo = grpo_module(folder, batching=BatchingConfig(micro_batch_size=2, mini_batches=2),
+                       reward=reward_config("odd_answer_reward"),
                        rollout=RolloutConfig(num_generations=2, max_new_tokens=6, dynamic_sampling=True, max_sampling_rounds=2))
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
     trainer, logged = fit_grpo(grpo, folder, steps=4, strategy=strategy, callbacks=[LoGRACallback()], devices=2)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
+from lightning_logra.modules import LoggingConfig
 from tests.helpers.distributed import run_lightning_on_two_ranks
 from tests.helpers.grpo import TableLogger, grpo_module, prompt_data
 
@@ -36,7 +37,7 @@ def _two_rank_validation(rank, world, folder):
         warnings.simplefilter("ignore")
         metrics = L.Trainer(accelerator="cpu", devices=2, strategy=LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8)),
                             logger=logger, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False).validate(grpo_module(folder, log_val_completions=True),
+                            enable_model_summary=False).validate(grpo_module(folder, logging=LoggingConfig(val_completions=True)),
                                                                  prompt_data(folder), verbose=False)[0]
     return logger.tables, metrics["val/pass_at_1"]
 

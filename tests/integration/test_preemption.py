@@ -40,8 +40,8 @@ model:
   class_path: tests.helpers.grpo.RecordingGRPO
   init_args:
     model: {model}
-    rewards: [{reward}]
-    micro_batch_size: 2
+    reward: {{functions: [{reward}]}}
+    batching: {{micro_batch_size: 2}}
     record_to: {root}/final.pt
     rollout: {{num_generations: 2, max_new_tokens: 5}}
     optimizer: {{lr: 1.0e-3, warmup_steps: 2, decay_steps: 6}}

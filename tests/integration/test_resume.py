@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.data import PromptDataModule
-from lightning_logra.modules import LossConfig, OptimizerConfig, RolloutConfig
+from lightning_logra.modules import BatchingConfig, LossConfig, OptimizerConfig, RewardConfig, RolloutConfig
 from tests.helpers.distributed import start_logra_fit, run_lightning_on_two_ranks
 from tests.helpers.grpo import RecordingGRPO
 
@@ -23,7 +23,8 @@ REWARD = "tests.helpers.grpo:varied_reward"
 
 def grpo(folder):
     return RecordingGRPO(
-        model=folder, rewards=[REWARD], micro_batch_size=2, loss=LossConfig(type="reinforce_baseline"),
+        model=folder, reward=RewardConfig(functions=[REWARD]), batching=BatchingConfig(micro_batch_size=2),
+        loss=LossConfig(type="reinforce_baseline"),
         rollout=RolloutConfig(num_generations=2, max_new_tokens=5),
         optimizer=OptimizerConfig(lr=1e-3, warmup_steps=2, decay_steps=6),
     )
@@ -102,8 +103,8 @@ model:
   class_path: tests.helpers.grpo.RecordingGRPO
   init_args:
     model: {model}
-    rewards: [{reward}]
-    micro_batch_size: 2
+    reward: {{functions: [{reward}]}}
+    batching: {{micro_batch_size: 2}}
     record_to: {root}/final.pt
     rollout: {{num_generations: 2, max_new_tokens: 5}}
     optimizer: {{lr: 1.0e-3, warmup_steps: 0, decay_steps: 0}}

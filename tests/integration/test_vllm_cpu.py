@@ -12,9 +12,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.data import PromptDataModule
-from lightning_logra.modules import GRPOModule, OptimizerConfig, RolloutConfig
+from lightning_logra.modules import BatchingConfig, GRPOModule, OptimizerConfig, RolloutConfig
 from tests.helpers.distributed import run_lightning_on_two_ranks
-from tests.helpers.grpo import rewards
+from tests.helpers.grpo import reward_config
 from tests.helpers.models import byte_tokenizer, favour_token
 from tests.helpers.tools import add
 
@@ -98,8 +98,8 @@ def test_weight_sync_is_proven_and_a_stale_engine_is_caught(engine, folder):
 def fit_with_vllm(folder, strategy, steps=2, devices=1, max_new_tokens=6, tools=None, **rollout):
     grpo = GRPOModule(model=folder, rollout=RolloutConfig(engine="vllm", num_generations=2, max_new_tokens=max_new_tokens,
                                                           val_generations=2, kv_cache_gib=0.25, **rollout),
-                      optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, decay_steps=0), micro_batch_size=2,
-                      rewards=rewards("varied_reward"), tools=tools)
+                      optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, decay_steps=0),
+                      batching=BatchingConfig(micro_batch_size=2), reward=reward_config("varied_reward"), tools=tools)
     logged = []
 
     class Capture(L.Callback):

@@ -12,16 +12,17 @@ from lightning.pytorch.loggers import MLFlowLogger
 
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.data import PromptDataModule
-from lightning_logra.modules import LossConfig, RolloutConfig
+from lightning_logra.modules import BatchingConfig, LoggingConfig, LossConfig, RewardConfig, RolloutConfig
 from lightning_logra.rewards.runner import RewardWarning
 from tests.helpers.architectures import save_with_byte_tokenizer, tiny_opt
-from tests.helpers.grpo import SEEN, TableLogger, fit_grpo, grpo_module, rewards
+from tests.helpers.grpo import SEEN, TableLogger, fit_grpo, grpo_module, reward_config, rewards
 from tests.helpers.lightning import record_step_inputs
 from tests.helpers.models import favour_token
 
 
 def test_several_updates_per_rollout_batch_clip_against_the_sampling_weights(model_folder):
-    grpo = grpo_module(model_folder, num_iterations=2, mini_batches=2, rewards=rewards("varied_reward"))
+    grpo = grpo_module(model_folder, batching=BatchingConfig(micro_batch_size=2, num_iterations=2, mini_batches=2),
+                       reward=reward_config("varied_reward"))
     grpo.optimizer_config.lr = 3e-2  # large steps, so the second pass leaves the trust region
     trainer, logged = fit_grpo(grpo, model_folder, steps=4)
     assert trainer.global_step == 4 and len(logged) == 1  # one rollout batch, 4 optimizer steps
@@ -30,7 +31,7 @@ def test_several_updates_per_rollout_batch_clip_against_the_sampling_weights(mod
 
 
 def test_one_update_never_clips(model_folder):
-    grpo = grpo_module(model_folder, rewards=rewards("varied_reward"))
+    grpo = grpo_module(model_folder, reward=reward_config("varied_reward"))
     grpo.optimizer_config.lr = 3e-2
     _, logged = fit_grpo(grpo, model_folder, steps=2)
     assert all(step["policy/clip_fraction"] == 0 for step in logged)
@@ -39,7 +40,8 @@ def test_one_update_never_clips(model_folder):
 
 
 def test_each_mini_batch_is_one_logra_update_seen_by_the_kl_controller(model_folder):
-    grpo = grpo_module(model_folder, mini_batches=2, rewards=rewards("varied_reward"))
+    grpo = grpo_module(model_folder, batching=BatchingConfig(micro_batch_size=2, mini_batches=2),
+                       reward=reward_config("varied_reward"))
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
     recorded = record_step_inputs(strategy)
     reports = []
@@ -58,10 +60,12 @@ def test_each_mini_batch_is_one_logra_update_seen_by_the_kl_controller(model_fol
     assert len(reports) == 4 and all(r.alpha is not None and r.budget is not None and not r.skipped for r in reports)
 
 
-def packed_or_padded_step(folder, **micro_batching) -> dict[str, float]:
+def packed_or_padded_step(folder, micro_batch_tokens=None) -> dict[str, float]:
     """The metrics of one logra_fsdp step with a KL reference and two updates (old
-    log-probs), and whether every update's KL probe was packed."""
-    grpo = grpo_module(folder, num_iterations=2, loss=LossConfig(kl_coef=0.1), **micro_batching)
+    log-probs), micro-batches of 2 rows or packed by ``micro_batch_tokens``, and whether
+    every update's KL probe was packed."""
+    batching = BatchingConfig(micro_batch_size=2, micro_batch_tokens=micro_batch_tokens, num_iterations=2)
+    grpo = grpo_module(folder, batching=batching, loss=LossConfig(kl_coef=0.1))
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
     recorded = record_step_inputs(strategy)
     _, logged = fit_grpo(grpo, folder, steps=2, strategy=strategy, callbacks=[LoGRACallback()])
@@ -69,7 +73,7 @@ def packed_or_padded_step(folder, **micro_batching) -> dict[str, float]:
 
 
 def test_micro_batches_by_tokens_train_as_the_padded_ones_do(model_folder):
-    padded = packed_or_padded_step(model_folder, micro_batch_size=2)
+    padded = packed_or_padded_step(model_folder)
     packed = packed_or_padded_step(model_folder, micro_batch_tokens=64)
     for key in ("policy/kl", "policy/clip_fraction", "policy/entropy", "policy/rollout_trainer_logprob_gap",
                 "reward/mean"):
@@ -78,15 +82,16 @@ def test_micro_batches_by_tokens_train_as_the_padded_ones_do(model_folder):
 
 
 def test_mini_batches_must_divide_the_prompts(model_folder):
-    grpo = grpo_module(model_folder, mini_batches=3, rewards=rewards("varied_reward"))
+    grpo = grpo_module(model_folder, batching=BatchingConfig(micro_batch_size=2, mini_batches=3),
+                       reward=reward_config("varied_reward"))
     with pytest.raises(ValueError, match="mini_batches = 3 must divide the 2 prompts"):
         fit_grpo(grpo, model_folder, steps=1)
 
 
 def test_truncated_importance_sampling_is_on_for_vllm_and_when_asked(model_folder):
-    assert grpo_module(model_folder, rollout=RolloutConfig(engine="vllm", num_generations=2))._tis
-    assert not grpo_module(model_folder)._tis
-    grpo = grpo_module(model_folder, loss=LossConfig(tis=True, tis_cap=2.0), rewards=rewards("varied_reward"))
+    assert grpo_module(model_folder, rollout=RolloutConfig(engine="vllm", num_generations=2))._micro_batching.tis
+    assert not grpo_module(model_folder)._micro_batching.tis
+    grpo = grpo_module(model_folder, loss=LossConfig(tis=True, tis_cap=2.0), reward=reward_config("varied_reward"))
     _, logged = fit_grpo(grpo, model_folder, steps=1)
     assert logged[0]["policy/tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)  # HF engine: ratios ~1
     assert logged[0]["policy/tis_capped_fraction"] == 0
@@ -103,7 +108,7 @@ def test_vllm_rollouts_refuse_truncated_sampling():
 
 def test_gspo_moves_the_weights_and_logs_its_clip_fraction(model_folder):
     grpo = grpo_module(model_folder, loss=LossConfig(type="gspo", epsilon_low=3e-4, epsilon_high=4e-4),
-                       rewards=rewards("varied_reward"))
+                       reward=reward_config("varied_reward"))
     grpo.configure_model()  # the weights now, to change or compare before the fit
     before = [p.detach().clone() for p in grpo.policy.parameters()]
     _, logged = fit_grpo(grpo, model_folder, steps=1)
@@ -113,7 +118,7 @@ def test_gspo_moves_the_weights_and_logs_its_clip_fraction(model_folder):
 
 def test_dynamic_sampling_replaces_groups_without_signal(model_folder):
     grpo = grpo_module(model_folder, rollout=RolloutConfig(num_generations=2, max_new_tokens=6, dynamic_sampling=True,
-                                                           max_sampling_rounds=4), rewards=rewards("odd_answer_reward"))
+                                                           max_sampling_rounds=4), reward=reward_config("odd_answer_reward"))
     _, logged = fit_grpo(grpo, model_folder, steps=3)
     assert sum(step["sampling/dropped_groups"] for step in logged) > 0
     assert sum(step["sampling/extra_rounds"] for step in logged) > 0
@@ -123,7 +128,7 @@ def test_dynamic_sampling_replaces_groups_without_signal(model_folder):
 
 
 def test_mask_truncated_leaves_cut_off_completions_out(model_folder):
-    grpo = grpo_module(model_folder, loss=LossConfig(mask_truncated=True), rewards=rewards("varied_reward"))
+    grpo = grpo_module(model_folder, loss=LossConfig(mask_truncated=True), reward=reward_config("varied_reward"))
     grpo.configure_model()  # the weights now, to change or compare before the fit
     with torch.no_grad():
         favour_token(grpo.policy, grpo.tokenizer.eos_token_id, 2.0)  # some completions stop, some are cut off
@@ -141,7 +146,7 @@ def test_mask_truncated_leaves_cut_off_completions_out(model_folder):
 
 
 def test_a_run_with_nothing_to_train_on_stops_with_a_clear_error(model_folder):
-    grpo = grpo_module(model_folder, loss=LossConfig(mask_truncated=True), rewards=rewards("varied_reward"))
+    grpo = grpo_module(model_folder, loss=LossConfig(mask_truncated=True), reward=reward_config("varied_reward"))
     eos = torch.tensor([grpo.tokenizer.eos_token_id])
     grpo.configure_model()  # the weights now, to change or compare before the fit
     grpo.policy.lm_head.register_forward_hook(lambda head, args, logits: logits.index_fill(-1, eos, float("-inf")))
@@ -154,7 +159,7 @@ def test_a_run_with_nothing_to_train_on_stops_with_a_clear_error(model_folder):
 
 def test_overlong_penalty_lowers_the_reward_of_long_completions(model_folder):
     # Zero task reward and a buffer as long as the limit: reward = -length / max_new_tokens.
-    grpo = grpo_module(model_folder, loss=LossConfig(overlong_buffer=6, overlong_penalty=1.0), rewards=rewards("zero_reward"))
+    grpo = grpo_module(model_folder, loss=LossConfig(overlong_buffer=6, overlong_penalty=1.0), reward=reward_config("zero_reward"))
     _, logged = fit_grpo(grpo, model_folder, steps=1)
     assert logged[0]["reward/mean"] == pytest.approx(-logged[0]["completion/length_mean"] / 6, rel=1e-6)
 
@@ -165,7 +170,8 @@ def test_overlong_buffer_longer_than_the_limit_is_refused(model_folder):
 
 
 def test_reward_functions_get_trl_arguments_and_per_function_metrics(model_folder):
-    grpo = grpo_module(model_folder, rewards=rewards("recording_reward") + ["trl.rewards:think_format_reward"])
+    grpo = grpo_module(model_folder, reward=RewardConfig(functions=rewards("recording_reward")
+                                                            + ["trl.rewards:think_format_reward"]))
     _, logged = fit_grpo(grpo, model_folder, steps=1, data_options={"conversational": True})
     assert SEEN["completions"][0][0]["role"] == "assistant"  # conversational prompts: message completions
     assert SEEN["prompts"][0][-1]["role"] == "user"
@@ -177,7 +183,8 @@ def test_reward_functions_get_trl_arguments_and_per_function_metrics(model_folde
 
 
 def test_completion_tables_go_to_mlflow_and_table_loggers(model_folder, tmp_path):
-    grpo = grpo_module(model_folder, rewards=rewards("varied_reward"), log_completions_every=2, log_completions_count=3)
+    grpo = grpo_module(model_folder, reward=reward_config("varied_reward"),
+                       logging=LoggingConfig(completions_every=2, completions_count=3))
     mlflow_logger = MLFlowLogger(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_location=str(tmp_path / "art"))
     table_logger = TableLogger()
     fit_grpo(grpo, model_folder, steps=3, loggers=[mlflow_logger, table_logger])
@@ -201,7 +208,7 @@ def validate_logged(grpo, folder, tmp_path, name):
 
 
 def test_every_validation_sample_goes_to_mlflow_as_one_table_per_validation(model_folder, tmp_path):
-    logger, metrics = validate_logged(grpo_module(model_folder, log_val_completions=True), model_folder, tmp_path, "on")
+    logger, metrics = validate_logged(grpo_module(model_folder, logging=LoggingConfig(val_completions=True)), model_folder, tmp_path, "on")
     local = logger.experiment.download_artifacts(logger.run_id, "val_completions/step_000000.json", str(tmp_path))
     table = json.loads(Path(local).read_text())
     assert table["columns"] == ["step", "prompt", "completion", "answer", "reward", "reward/varied_reward", "length", "truncated"]
@@ -221,7 +228,7 @@ NO_ANSWERS = {"field_map": {"answer": "solution"}}  # the reference answers land
 
 
 def test_the_math_reward_refuses_data_without_answers_naming_the_column_and_field_map(model_folder):
-    grpo = grpo_module(model_folder, rewards=None)  # the built-in math reward
+    grpo = grpo_module(model_folder, reward=None)  # the built-in math reward
     with pytest.raises(ValueError, match=r"arithmetic: no train row has an 'answer' column, which the built-in math "
                                          r"reward compares completions with: .* field_map"):
         fit_grpo(grpo, model_folder, steps=1, data_options=NO_ANSWERS)
@@ -229,7 +236,7 @@ def test_the_math_reward_refuses_data_without_answers_naming_the_column_and_fiel
 
 def test_a_batch_no_reward_function_scores_warns_once_naming_the_empty_column(model_folder):
     caught = []
-    fit_grpo(grpo_module(model_folder, rewards=rewards("answer_reward")), model_folder, steps=2,
+    fit_grpo(grpo_module(model_folder, reward=reward_config("answer_reward")), model_folder, steps=2,
              data_options=NO_ANSWERS, caught_warnings=caught)
     unscored = [str(w.message) for w in caught if issubclass(w.category, RewardWarning)]
     assert len(unscored) == 1
@@ -268,11 +275,11 @@ def test_max_new_tokens_filling_the_models_positions_is_refused(model_folder):
 
 
 @pytest.mark.parametrize("method", ["dense", "lora", "logra"])
-def test_measure_step_kl_logs_how_far_each_step_moved_the_policy(model_folder, method):
+def test_step_kl_logs_how_far_each_step_moved_the_policy(model_folder, method):
     from lightning_logra.modules import LoRAConfig
 
     options = {"lora": LoRAConfig(rank=4, alpha=8.0)} if method == "lora" else {}
-    grpo = grpo_module(model_folder, measure_step_kl=True, rewards=rewards("varied_reward"), **options)
+    grpo = grpo_module(model_folder, logging=LoggingConfig(step_kl=True), reward=reward_config("varied_reward"), **options)
     strategy, callbacks, measured = "auto", [], []
     if method == "logra":
         strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, kl_budget=1e-3, kl_budget_final=1e-3))
@@ -298,7 +305,7 @@ def test_step_kl_is_not_measured_unless_asked(model_folder):
 
 def test_packing_is_refused_at_the_start_of_fit_for_a_model_that_packs_wrongly(tmp_path):
     folder = save_with_byte_tokenizer(tiny_opt(), tmp_path)
-    with pytest.raises(ValueError, match=r"OPTForCausalLM: packed log-probs differ .*unset micro_batch_tokens"):
-        fit_grpo(grpo_module(folder, micro_batch_tokens=64), folder, steps=1)
+    with pytest.raises(ValueError, match=r"OPTForCausalLM: packed log-probs differ .*unset batching.micro_batch_tokens"):
+        fit_grpo(grpo_module(folder, batching=BatchingConfig(micro_batch_size=2, micro_batch_tokens=64)), folder, steps=1)
     trainer, _ = fit_grpo(grpo_module(folder), folder, steps=1)  # padded micro-batches train it
     assert trainer.global_step == 1

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
-from lightning_logra.modules import LoRAConfig, LossConfig, OptimizerConfig, RolloutConfig
+from lightning_logra.modules import (BatchingConfig, GRPOModule, LoggingConfig, LoRAConfig, LossConfig, OptimizerConfig,
+                                     RewardConfig, RolloutConfig)
+from lightning_logra.modules.grpo import DEPRECATED_ALIASES
 from lightning_logra.rewards.runner import RewardRunner
 from lightning_logra.rl.config import lr_factor
 from lightning_logra.rl import step as rl_step
@@ -155,13 +157,6 @@ def test_invalid_settings_name_the_field(model_folder):
 
 
 @pytest.mark.parametrize(("argument", "value", "allowed"), [
-    ("micro_batch_size", True, "an integer >= 1"),
-    ("micro_batch_tokens", 0, "an integer >= 1 or None"),
-    ("num_iterations", 0, "an integer >= 1"),
-    ("log_completions_every", -1, "an integer >= 0"),
-    ("logprob_chunk_positions", 0, "an integer >= 1"),
-    ("reward_timeout_s", float("inf"), "a finite number > 0"),
-    ("reward_max_consecutive_timeouts", 0, "an integer >= 1"),
     ("seed", -1, "an integer >= 0"),
     ("activation_checkpointing", 1, "true or false"),
 ])
@@ -171,20 +166,71 @@ def test_module_arguments_are_checked_like_config_fields(model_folder, argument,
         grpo_module(model_folder, **{argument: value})
 
 
-def test_a_reward_timeout_past_a_day_is_refused_at_construction(model_folder):
-    # threading's waits raise OverflowError past threading.TIMEOUT_MAX, at the first batch.
-    with pytest.raises(ValueError, match=r"GRPOModule\.reward_timeout_s = 10000000000.0 is invalid: must be a finite "
-                                         r"number > 0 and <= 86400 \(24 h\)"):
-        grpo_module(model_folder, reward_timeout_s=1e10)
-    with pytest.raises(ValueError, match=r"timeout_s must be > 0 and <= 86400 \(24 h\), got 10000000000.0"):
-        RewardRunner(["tests.helpers.grpo:zero_reward"], timeout_s=1e10)
+TWO_REWARDS = ["tests.helpers.grpo:zero_reward", "tests.helpers.grpo:varied_reward"]
+# Each family of deprecated flat names (logprob_chunk_size was renamed twice): values given
+# under the old names, and the group that gives them under the new ones.
+FLAT_NAMES = {
+    "reward": ({"rewards": TWO_REWARDS, "reward_weights": [1.0, 0.5], "reward_timeout_s": 20.0,
+                "reward_max_consecutive_timeouts": 5},
+               RewardConfig(functions=TWO_REWARDS, weights=[1.0, 0.5], timeout_s=20.0, max_consecutive_timeouts=5)),
+    "batching": ({"micro_batch_size": 2, "micro_batch_tokens": 64, "num_iterations": 2, "mini_batches": 2,
+                  "logprob_chunk_positions": 32},
+                 BatchingConfig(micro_batch_size=2, micro_batch_tokens=64, num_iterations=2, mini_batches=2,
+                                logprob_chunk_positions=32)),
+    "logging": ({"log_completions_every": 2, "log_completions_count": 3, "log_val_completions": True,
+                 "measure_step_kl": True},
+                LoggingConfig(completions_every=2, completions_count=3, val_completions=True, step_kl=True)),
+    "logprob_chunk_size": ({"logprob_chunk_size": 64}, BatchingConfig(logprob_chunk_positions=64)),
+}
 
 
-def test_logprob_chunk_size_is_the_deprecated_name_of_logprob_chunk_positions(model_folder, no_alias_warned_yet):
-    with pytest.warns(FutureWarning, match="GRPOModule.logprob_chunk_size is deprecated: use logprob_chunk_positions"):
-        grpo = grpo_module(model_folder, logprob_chunk_size=64)
-    assert grpo.logprob_chunk_positions == 64 and grpo._micro_batching.chunk_size == 64
-    assert grpo.hparams["logprob_chunk_positions"] == 64 and "logprob_chunk_size" not in grpo.hparams
-    assert grpo.logprob_chunk_size == 64  # read through the new name (warned once already)
-    with pytest.raises(ValueError, match="are both given"):
-        grpo_module(model_folder, logprob_chunk_size=64, logprob_chunk_positions=32)
+def runner_settings(runner: RewardRunner) -> tuple:
+    return runner.names, runner.weights, runner.timeout_s, runner.max_consecutive_timeouts
+
+
+@pytest.mark.parametrize("family", FLAT_NAMES)
+def test_deprecated_flat_names_warn_once_each_and_set_their_group(model_folder, family, no_alias_warned_yet):
+    flat, group = FLAT_NAMES[family]
+    name = type(group).__name__.removesuffix("Config").lower()
+    with pytest.warns(FutureWarning) as caught:
+        grpo = GRPOModule(model=model_folder, **flat)
+    assert sorted(str(w.message) for w in caught) == sorted(
+        f"GRPOModule.{old} is deprecated: use {DEPRECATED_ALIASES[old]} (same meaning; the old name will be removed)"
+        for old in flat)
+    new = GRPOModule(model=model_folder, **{name: group})
+    assert getattr(grpo, name) == group and grpo.hparams[name] == group and not set(flat) & set(grpo.hparams)
+    assert grpo._micro_batching == new._micro_batching
+    assert runner_settings(grpo.reward_runner) == runner_settings(new.reward_runner)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GRPOModule(model=model_folder, **flat)  # each warned once already
+
+
+def test_deprecated_flat_names_read_their_group_fields_as_attributes(model_folder, no_alias_warned_yet):
+    grpo = grpo_module(model_folder, logging=LoggingConfig(step_kl=True))
+    with pytest.warns(FutureWarning, match=r"GRPOModule\.micro_batch_size is deprecated: use batching\."):
+        assert grpo.micro_batch_size == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        for old, new in DEPRECATED_ALIASES.items():
+            group, field = new.split(".")
+            assert getattr(grpo, old) == getattr(getattr(grpo, group), field), old
+        assert grpo.measure_step_kl is True and grpo.rewards == ["tests.helpers.grpo:varied_reward"]
+    with pytest.raises(AttributeError, match=r"GRPOModule\.micro_batch_size is deprecated and read-only: set "
+                                             r"batching\.micro_batch_size"):
+        grpo.micro_batch_size = 8
+
+
+def test_a_flat_name_and_its_field_set_to_another_value_raise_naming_both(model_folder):
+    with pytest.raises(ValueError, match=r"GRPOModule\.micro_batch_size = 8 and GRPOModule\.batching\.micro_batch_size "
+                                         r"= 2 are both given: .* give batching\.micro_batch_size only"):
+        GRPOModule(model=model_folder, batching=BatchingConfig(micro_batch_size=2), micro_batch_size=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with pytest.raises(ValueError, match=r"GRPOModule\.logprob_chunk_size = 64 and "
+                                             r"GRPOModule\.logprob_chunk_positions = 32 are both given"):
+            GRPOModule(model=model_folder, logprob_chunk_positions=32, logprob_chunk_size=64)
+        # Another field of the group, or the same value: no conflict.
+        grpo = GRPOModule(model=model_folder, batching=BatchingConfig(mini_batches=2, num_iterations=3),
+                          micro_batch_size=8, num_iterations=3)
+    assert grpo.batching == BatchingConfig(micro_batch_size=8, mini_batches=2, num_iterations=3)

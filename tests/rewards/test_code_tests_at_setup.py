@@ -8,7 +8,7 @@ import pytest
 
 from lightning_logra.data import PromptDataModule
 from lightning_logra.modules.prompt_checks import check_tests_column
-from lightning_logra.rewards import RewardRunner
+from lightning_logra.rewards import RewardConfig, RewardRunner
 from tests.helpers.grpo import fit_grpo, grpo_module
 
 CODE_REWARD = "lightning_logra.rewards.code:code_execution_reward"
@@ -47,7 +47,7 @@ def test_the_training_module_refuses_a_bad_row_before_any_step(model_folder, tmp
     path = tmp_path / "code.jsonl"
     rows = [{"prompt": "Write f.", "tests": GOOD}, {"prompt": "Write g.", "tests": ["assert g(1) is None"]}]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    grpo = grpo_module(model_folder, rewards=[CODE_REWARD])
+    grpo = grpo_module(model_folder, reward=RewardConfig(functions=[CODE_REWARD]))
     with pytest.raises(ValueError, match=r"code.jsonl: train row 2: 'tests' for the code reward: item 0 .* "
                                          r"trust_asserts=True"):
         fit_grpo(grpo, model_folder, steps=1, data_options={"train": str(path), "val": None})

@@ -7,7 +7,8 @@ import re
 import pytest
 
 from lightning_logra.core.config import DEFAULT_TARGET_MODULES
-from lightning_logra.rl.config import LoRAConfig, LossConfig, MultiTurnConfig, OptimizerConfig
+from lightning_logra.rl.config import (BatchingConfig, LoggingConfig, LoRAConfig, LossConfig, MultiTurnConfig,
+                                       OptimizerConfig)
 from lightning_logra.rollout.config import RolloutConfig
 
 NAN, INF = float("nan"), float("inf")
@@ -32,6 +33,10 @@ def test_defaults_are_unchanged():
         lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0, warmup_steps=9, decay_steps=300, min_lr_ratio=0.1)
     assert dataclasses.asdict(LoRAConfig()) == dict(
         rank=256, alpha=512.0, dropout=0.0, target_modules=list(DEFAULT_TARGET_MODULES))
+    assert dataclasses.asdict(BatchingConfig()) == dict(
+        micro_batch_size=4, micro_batch_tokens=None, num_iterations=1, mini_batches=1, logprob_chunk_positions=256)
+    assert dataclasses.asdict(LoggingConfig()) == dict(
+        completions_every=0, completions_count=8, val_completions=False, step_kl=False)
 
 
 def test_a_nan_failure_reward_is_refused():
@@ -118,3 +123,18 @@ def test_a_tool_timeout_past_a_day_is_refused():
     refuses(MultiTurnConfig, "a finite number > 0 and <= 86400 (24 h)", tool_timeout_s=1e10)
     refuses(MultiTurnConfig, "a finite number > 0 and <= 86400 (24 h)", tool_timeout_s=86_400.5)
     assert MultiTurnConfig(tool_timeout_s=86_400).tool_timeout_s == 86_400
+
+
+@pytest.mark.parametrize(("config_class", "field", "value", "allowed"), [
+    (BatchingConfig, "micro_batch_size", True, "an integer >= 1"),
+    (BatchingConfig, "micro_batch_tokens", 0, "an integer >= 1 or None"),
+    (BatchingConfig, "num_iterations", 0, "an integer >= 1"),
+    (BatchingConfig, "mini_batches", 0, "an integer >= 1"),
+    (BatchingConfig, "logprob_chunk_positions", 0, "an integer >= 1"),
+    (LoggingConfig, "completions_every", -1, "an integer >= 0"),
+    (LoggingConfig, "completions_count", 0, "an integer >= 1"),
+    (LoggingConfig, "val_completions", 1, "true or false"),
+    (LoggingConfig, "step_kl", "yes", "true or false"),
+])
+def test_the_module_groups_check_their_fields(config_class, field, value, allowed):
+    refuses(config_class, allowed, **{field: value})

@@ -29,7 +29,7 @@ def test_a_model_whose_packed_logprobs_differ_is_refused_by_class(build, name):
     difference = packed_padded_difference(model)
     assert difference > 5e-4  # measured: OPT 6.2e-2, BLOOM 1.0e-3 on these tiny models
     with pytest.raises(ValueError, match=rf"{name}: packed log-probs differ from the padded ones by up to "
-                                         rf"{difference:.2g} .*unset micro_batch_tokens"):
+                                         rf"{difference:.2g} .*unset batching.micro_batch_tokens"):
         check_packing(model)
 
 

@@ -5,12 +5,22 @@ finished under that folder's writer lock."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_logra.callbacks.preemption import PreemptionCheckpoint
 from lightning_logra.strategies.checkpoints.atomic import recover_folder
 from lightning_logra.strategies.checkpoints.writer_lock import recover_if_free
+
+
+@runtime_checkable
+class WritesCheckpointFolder(Protocol):
+    """A callback other than a ModelCheckpoint that saves checkpoints into a folder (e.g.
+    ``callbacks.PreemptionCheckpoint``): recovery holds and recovers that folder too."""
+
+    def checkpoint_folder(self, trainer) -> Path:
+        """Where this callback saves checkpoints in ``trainer``'s run."""
+        ...
 
 
 def recover_checkpoint_folders(trainer) -> None:
@@ -21,13 +31,14 @@ def recover_checkpoint_folders(trainer) -> None:
 
 
 def written_checkpoint_folders(trainer) -> list[Path]:
-    """The folders the run writes checkpoints into: every ModelCheckpoint's (as
-    ``ckpt_path="last"`` resolves it, before its setup has run), and ``default_root_dir``
-    when a PreemptionCheckpoint saves Lightning's HPC checkpoint there."""
-    folders = [Path(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
-               for callback in trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)]
-    if any(isinstance(callback, PreemptionCheckpoint) for callback in trainer.callbacks):
-        folders.insert(0, Path(trainer.default_root_dir))
+    """The folders the run writes checkpoints into: each ``WritesCheckpointFolder``
+    callback's (e.g. ``default_root_dir``, where a PreemptionCheckpoint saves Lightning's
+    HPC checkpoint), then every ModelCheckpoint's (as ``ckpt_path="last"`` resolves it,
+    before its setup has run)."""
+    folders = [Path(callback.checkpoint_folder(trainer))
+               for callback in trainer.callbacks if isinstance(callback, WritesCheckpointFolder)]
+    folders += [Path(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
+                for callback in trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)]
     return list(dict.fromkeys(folders))
 
 
