@@ -67,6 +67,7 @@ def test_packing_smoke_run_times_padded_and_packed_steps_side_by_side(tmp_path):
     assert "Smoke run on a tiny model" in table and "Packed / padded step" in table
 
 
+@pytest.mark.slow  # 31 s; the speed, packing and fits smoke runs cover the harness in the default run
 def test_loading_smoke_run_sets_up_two_ranks_with_and_without_a_reference(tmp_path):
     run("loading", "--smoke", "--out", str(tmp_path))
     result = json.loads((tmp_path / "loading.json").read_text())

@@ -118,6 +118,7 @@ def test_two_processes_and_two_nodes_through_logra_fit_resume_to_the_uninterrupt
     assert [m.step for m in history] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow  # 37 s: two more launches; the two-process test above resumes through logra fit in the default run
 def test_resuming_into_the_same_mlflow_run_logs_the_launch_nowhere_and_warns_on_changed_settings(model_folder, tmp_path, launched):
     root = tmp_path / "run"
     finish(launch(launched, root, model_folder, "--trainer.max_steps=2"), "the first run")

@@ -43,6 +43,7 @@ def _two_rank_validation(rank, world, folder):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # 15 s; the two-process fit above keeps GRPOModule on two ranks in the default run
 def test_one_validation_table_holds_both_ranks_samples(model_folder):
     (tables0, pass0), (tables1, pass1) = run_lightning_on_two_ranks(_two_rank_validation, model_folder)
     assert tables1 == [] and len(tables0) == 1  # rank 0 logs the gathered table
