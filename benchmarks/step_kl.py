@@ -1,14 +1,26 @@
-"""How far each optimizer step moves the policy, per method, and what measuring it costs.
+"""Does LoGRA's KL budget bound how far each step moves the policy on its batch? And what do
+the probe and the step-KL measurement cost?
 
-The quickstart's three methods (``configs/quickstart_dense.yaml``: AdamW lr 1e-5;
-``quickstart_lora.yaml``: LoRA r=256; ``quickstart.yaml``: LoGRA, rank auto = 64, KL budget
-2e-3 cosine to 5e-4) run through the ``logra`` CLI with ``logging.step_kl: true`` and no
-validation, one after the other (same seeds, same prompts). Per step: ``policy/step_kl``
-(k3 on the step's own trained tokens: see the metrics guide), LoGRA's scaled prediction
-``logra/predicted_kl_scaled``, and the measurement's cost, ``perf/step_kl_s`` over the
-step's summed phases. Medians leave out the first step (warm-up).
+Runs through the ``logra`` CLI, one after the other, without validation (same seeds, same
+prompts):
 
-    python -m benchmarks.step_kl      # about 15 minutes on 2 CPU cores, alone
+- LoGRA on the quickstart (``configs/quickstart.yaml``: arithmetic:1, budget 2e-3 cosine to
+  5e-4) and on the code task (``configs/quickstart_code.yaml``: code:2, the same budget),
+  with ours (``stratified``, the default) and, on the quickstart, the authors' probe
+  (``kl_probe: reference``, the first 2 responses; on the code task: ``--runs
+  code/reference``, and ``step_kl_rows.py``'s exact per-row measurement), measuring ``policy/step_kl`` on every row
+  (``logging.step_kl_rows: null``: only the token draws are noise). Per step: its ratio to
+  ``logra/budget``, and the probe's share of the step (``perf/logra_probe_s`` over the step's
+  phases, the measurement's own left out).
+- The quickstart's dense AdamW and LoGRA at their defaults (``policy/step_kl`` on 8
+  stratified rows): what measuring it costs, ``perf/step_kl_s`` over the step's phases.
+
+Target (issue 41): step KL / budget within [0.67, 1.5] on at least 90% of steps, the probe
+at most 10% of a step, the default measurement at most 5%. Medians of times leave out the
+first step (warm-up). Run it alone on the machine: it measures wall time.
+
+    python -m benchmarks.step_kl                          # about 35 minutes on 2 CPU cores
+    python -m benchmarks.step_kl --runs code/reference --add   # one run, merged into the JSON
     python -m benchmarks.step_kl --render benchmarks/results/step_kl.json
 """
 
@@ -18,85 +30,132 @@ import statistics
 from pathlib import Path
 
 from .cli_runs import fresh_work, metric_history, mlflow_environment, run_logra
-from .harness import (argument_parser, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
+from .harness import (argument_parser, code_line, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
                       pyplot, save_figure, save_json, write_outputs)
-from .phases import PHASES as STEP_PHASES
+from .phases import PHASES
 
-RUNS = {"dense": "configs/quickstart_dense.yaml", "lora": "configs/quickstart_lora.yaml", "logra": "configs/quickstart.yaml"}
-PHASES = (*STEP_PHASES, "step_kl")  # a step's phases as GRPOModule logs them, and the measurement's own
-STEPS = 8
-COST_LIMIT = 0.10  # on by default only if it costs at most this share of a step (issue 26)
+LOGRA = "--trainer.strategy.init_args.logra"
+EVERY_ROW = "--model.init_args.logging.step_kl_rows=null"
+RUNS = {
+    "quickstart/reference": ("configs/quickstart.yaml", [f"{LOGRA}.kl_probe=reference", EVERY_ROW]),
+    "quickstart/stratified": ("configs/quickstart.yaml", [EVERY_ROW]),
+    "code/reference": ("configs/quickstart_code.yaml", [f"{LOGRA}.kl_probe=reference", EVERY_ROW]),
+    "code/stratified": ("configs/quickstart_code.yaml", [EVERY_ROW]),
+    "quickstart/dense_default": ("configs/quickstart_dense.yaml", []),
+    "quickstart/logra_default": ("configs/quickstart.yaml", []),
+}
+DEFAULT_RUNS = [name for name in RUNS if name != "code/reference"]  # on code the authors' probe: step_kl_rows.md
+BAND = (0.67, 1.5)  # step KL / budget (issue 41)
+INSIDE_TARGET = 0.90
+PROBE_LIMIT = 0.10  # of a step
+MEASURE_LIMIT = 0.05  # of a step, to be on by default
 
 
-def measure(work: Path, steps: int) -> dict:
+def measure(work: Path, names: list[str]) -> dict:
     environment = mlflow_environment(work)
+    database = work / "mlflow.db"
     runs = {}
-    for name, config in RUNS.items():
-        print(f"{name}: {steps} steps with logging.step_kl", flush=True)
-        seconds = run_logra(["fit", "-c", config, f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
-                             "--model.init_args.logging.step_kl=true", "--model.init_args.logging.completions_every=0",
+    for name in names:
+        config, extra = RUNS[name]
+        run_name = name.replace("/", "_")
+        print(f"{name}: {config} {' '.join(extra)}", flush=True)
+        seconds = run_logra(["fit", "-c", config, "--trainer.limit_val_batches=0",
+                             "--model.init_args.logging.completions_every=0", *extra,
                              f"--trainer.default_root_dir={work}", "--trainer.logger.init_args.experiment_name=step_kl",
-                             f"--trainer.logger.init_args.run_name={name}"], environment, work / f"{name}.log")
-        database = work / "mlflow.db"
-        history = {key: [value for _, value in metric_history(database, name, key)]
-                   for key in ("policy/step_kl", "reward/mean", *(f"perf/{phase}_s" for phase in PHASES))}
-        if name == "logra":
-            history["logra/predicted_kl_scaled"] = [v for _, v in metric_history(database, name, "logra/predicted_kl_scaled")]
-        step_seconds = [sum(history[f"perf/{phase}_s"][i] for phase in PHASES) for i in range(steps)]
-        runs[name] = {"config": config, "seconds": seconds, "history": history, "step_seconds": step_seconds,
-                      "median_step_kl": statistics.median(history["policy/step_kl"][1:]),
-                      "cost_share": statistics.median(kl / step for kl, step in
-                                                      zip(history["perf/step_kl_s"][1:], step_seconds[1:]))}
-        print(f"  step KL median {runs[name]['median_step_kl']:.2e}, cost {100 * runs[name]['cost_share']:.1f}% "
-              f"of a step", flush=True)
+                             f"--trainer.logger.init_args.run_name={run_name}"], environment, work / f"{run_name}.log")
+        keys = ["policy/step_kl", "reward/mean", "perf/step_kl_s", *(f"perf/{phase}_s" for phase in PHASES)]
+        if "dense" not in name:
+            keys += ["logra/budget", "logra/alpha", "logra/predicted_kl_scaled", "perf/logra_probe_s"]
+        history = {key: dict(metric_history(database, run_name, key)) for key in keys}
+        runs[name] = {"config": config, "arguments": extra, "seconds": seconds, "history": history}
+        print("  " + summary_line(name, summarise(runs[name])), flush=True)
     return runs
 
 
+def summarise(run: dict) -> dict:
+    history = run["history"]
+    steps = sorted(history["policy/step_kl"])
+    step_seconds = {s: sum(history[f"perf/{phase}_s"].get(s, 0.0) for phase in PHASES) for s in steps}
+    timed = steps[1:]
+    summary = {"steps": len(steps),
+               "measure_share": statistics.median(history["perf/step_kl_s"][s] / step_seconds[s] for s in timed)}
+    if "logra/budget" in history:
+        # Steps whose update had something to train on (a budget was set).
+        ratios = [history["policy/step_kl"][s] / history["logra/budget"][s] for s in steps if s in history["logra/budget"]]
+        summary.update(ratios=ratios, inside=sum(BAND[0] <= r <= BAND[1] for r in ratios) / len(ratios),
+                       median_ratio=statistics.median(ratios),
+                       probe_share=statistics.median(history["perf/logra_probe_s"][s] / step_seconds[s] for s in timed))
+    return summary
+
+
+def summary_line(name: str, summary: dict) -> str:
+    line = f"{name}: measuring step KL {100 * summary['measure_share']:.1f}% of a step"
+    if "ratios" in summary:
+        line += (f"; step KL / budget median {summary['median_ratio']:.2f}, {100 * summary['inside']:.0f}% of "
+                 f"{len(summary['ratios'])} steps in [{BAND[0]}, {BAND[1]}]; probe {100 * summary['probe_share']:.1f}%")
+    return line
+
+
 def render(result: dict) -> str:
-    lines = ["# How far each step moves the policy (quickstart, SmolLM2-135M-Instruct, CPU)", "",
-             "| method | policy/step_kl per step | median (steps 1+) | measuring it: share of the step |",
-             "|---|---|---:|---:|"]
+    lines = ["# Does the KL budget bound the step on the batch? (SmolLM2-135M-Instruct, CPU)", "",
+             "`policy/step_kl`: KL(before || after) over every trained position of the update, estimated by k3 at "
+             "4 tokens per position drawn from the pre-step policy; on every row (`step_kl_rows: null`) in the "
+             "probe comparisons, on 8 stratified rows (the default) in the cost rows.", "",
+             "| run | step KL / budget, per step | median | steps in [0.67, 1.5] | probe: share of a step | "
+             "measuring step KL: share of a step |", "|---|---|---:|---:|---:|---:|"]
     for name, run in result["runs"].items():
-        values = " ".join(f"{v:.1e}" for v in run["history"]["policy/step_kl"])
-        lines.append(f"| {name} | {values} | {run['median_step_kl']:.2e} | {100 * run['cost_share']:.1f}% |")
-    logra = result["runs"].get("logra")
-    if logra:
-        predicted = " ".join(f"{v:.1e}" for v in logra["history"]["logra/predicted_kl_scaled"])
-        lines += ["", f"LoGRA's own scaled prediction per step (`logra/predicted_kl_scaled`, the probe's rows): {predicted}."]
-    worst = max(run["cost_share"] for run in result["runs"].values())
-    lines += ["", f"Largest cost share {100 * worst:.1f}% (on by default only at <= {100 * COST_LIMIT:.0f}%: "
-                  f"{'within' if worst <= COST_LIMIT else 'over'}; `logging.step_kl` stays off by default, on in the "
-                  "benchmarks).",
-              f"{machine_line(result['machine'])}; {result['steps']} steps per method, no validation; command: "
-              f"`{result['command']}`."]
+        s = summarise(run)
+        if "ratios" in s:
+            ratios = " ".join(f"{r:.2f}" for r in s["ratios"])
+            lines.append(f"| {name} | {ratios} | {s['median_ratio']:.2f} | {100 * s['inside']:.0f}% "
+                         f"({sum(BAND[0] <= r <= BAND[1] for r in s['ratios'])}/{len(s['ratios'])}) | "
+                         f"{100 * s['probe_share']:.1f}% | {100 * s['measure_share']:.1f}% |")
+        else:
+            lines.append(f"| {name} | - | - | - | - | {100 * s['measure_share']:.1f}% |")
+    lines += ["", f"Targets: at least {100 * INSIDE_TARGET:.0f}% of steps in [{BAND[0]}, {BAND[1]}], the probe at most "
+                  f"{100 * PROBE_LIMIT:.0f}% of a step, the default measurement at most {100 * MEASURE_LIMIT:.0f}% "
+                  "(times: medians over steps 1+; a step is the sum of its phases, the measurement's own left out).",
+              f"{machine_line(result['machine'])}; command: `{result['command']}`. {code_line(result['code'])}"]
     return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
-    figure, axis = plt.subplots(figsize=(7, 3.8))
-    colours = {"dense": "tab:blue", "lora": "tab:orange", "logra": "tab:green"}
+    figure, axis = plt.subplots(figsize=(7.5, 4))
+    styles = {"reference": "--", "stratified": "-"}
+    colours = {"quickstart": "tab:green", "code": "tab:purple"}
     for name, run in result["runs"].items():
-        axis.plot(range(len(run["history"]["policy/step_kl"])), run["history"]["policy/step_kl"], marker="o",
-                  color=colours[name], label=f"{name}: policy/step_kl")
-    if "logra" in result["runs"]:
-        predicted = result["runs"]["logra"]["history"]["logra/predicted_kl_scaled"]
-        axis.plot(range(len(predicted)), predicted, linestyle="--", color=colours["logra"], label="logra: predicted (scaled)")
-    axis.set(yscale="log", xlabel="optimizer step", ylabel="KL(before || after) per token")
-    save_figure(figure, path, f"quickstart, 4 x 8 samples - {cpu_caption(result['machine'])}, {result['command']}")
+        task, probe = name.split("/")
+        if probe not in styles:
+            continue
+        ratios = summarise(run)["ratios"]
+        axis.plot(range(len(ratios)), ratios, styles[probe], marker="o", color=colours[task], label=name)
+    axis.axhspan(*BAND, color="0.9", label="target band")
+    axis.axhline(1.0, color="0.5", linewidth=0.8)
+    axis.set(xlabel="update", ylabel="policy/step_kl / budget (every row)")
+    axis.legend(fontsize=8)
+    save_figure(figure, path, f"LoGRA, 4 prompts x 8 samples - {cpu_caption(result['machine'])}, {result['command']}")
 
 
 def main() -> None:
     parser = argument_parser(__doc__)
-    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
+    parser.add_argument("--add", action="store_true", help="merge these runs into the existing JSON")
     args = parser.parse_args()
     stem = args.out / "step_kl"
     if args.render:
         write_outputs(stem, load_json(args.render), render, plot)
         return
-    result = {"runs": measure(fresh_work("step_kl"), args.steps), "steps": args.steps, "command": command_line("step_kl"),
-              "machine": machine_info(), "code": code_version()}
-    save_json(stem.with_suffix(".json"), result)
+    names = args.runs.split(",")
+    unknown = sorted(set(names) - set(RUNS))
+    if unknown:
+        parser.error(f"unknown runs {unknown}; known: {', '.join(RUNS)}")
+    path = stem.with_suffix(".json")
+    result = load_json(path) if args.add and path.exists() else {"runs": {}}
+    result["runs"].update(measure(fresh_work("step_kl"), names))
+    result["runs"] = {name: result["runs"][name] for name in RUNS if name in result["runs"]}
+    result.update(command=command_line("step_kl"), machine=machine_info(), code=code_version())
+    save_json(path, result)
     write_outputs(stem, result, render, plot)
 
 

@@ -37,7 +37,7 @@ from .step import (
 )
 from .pairing import alternate_modes, summarise, contention_line
 from .records import (
-    ROOT, machine_info, machine_line, status_kib, cpu_caption, code_version, step_line, meta_memory_rows,
+    ROOT, machine_info, machine_line, status_kib, cpu_caption, code_line, code_version, step_line, meta_memory_rows,
     argument_parser, check_smoke_out, command_line, run_module, save_json, load_json, write_outputs,
     stacked_bars, save_figure, pyplot,
 )
@@ -54,6 +54,7 @@ __all__ = [
     "argument_parser",
     "build_mode",
     "check_smoke_out",
+    "code_line",
     "code_version",
     "command_line",
     "contention_line",

@@ -41,6 +41,11 @@ DEPRECATED_ALIASES: dict[str, str] = {
     "probe_mlp_chunk": "probe_mlp_chunk_tokens",
 }
 
+# Responses per rank the KL probe scores by default: the authors' 2 first ones, or one from
+# each of 8 strata (issue 41: the quickstart's per-row step KL, benchmarks/results/step_kl_rows.md).
+REFERENCE_PROBE_RESPONSES = 2
+STRATIFIED_PROBE_RESPONSES = 8
+
 # ``rank: auto`` resolves against the model's targets (``projection.auto_rank``).
 AUTO_RANK = "auto"
 
@@ -101,8 +106,16 @@ class LoGRAConfig:
     """Largest step scale the controller may apply, >= 1."""
     probe_temperature: float | None = None
     """Temperature of the KL probe's softmax; None: the probe batch's sampling temperature."""
-    probe_responses: int = 2
-    """Generated responses per rank the KL probe runs on."""
+    kl_probe: Literal["stratified", "reference"] = "stratified"
+    """(ours) Which responses the KL probe scores. ``stratified``: the update's responses
+    sorted by their key (GRPO: the advantage) are cut into ``probe_responses`` strata of
+    about equal tokens, one is drawn from each and weighted by its stratum's tokens, so the
+    prediction estimates the step's KL over every trained token; ``reference``: the first
+    ``probe_responses`` (the authors'; they under-estimate the batch's KL when a few
+    responses carry most of it)."""
+    probe_responses: int | None = None
+    """Responses per rank the KL probe runs on; None: 2 with ``kl_probe: reference`` (the
+    authors'), 8 with ``stratified``."""
     probe_max_tokens: int = 4096
     """Most real tokens per probe response."""
     probe_chunk_positions: int = 128
@@ -180,7 +193,8 @@ class LoGRAConfig:
         check.integer("schedule_steps", at_least=1)
         check.number("alpha_max", at_least=1)
         check.number("probe_temperature", above=0, optional=True)
-        check.integer("probe_responses", at_least=1)
+        check.choice("kl_probe", ("stratified", "reference"))
+        check.integer("probe_responses", at_least=1, optional=True)
         check.integer("probe_max_tokens", at_least=1)
         check.integer("probe_chunk_positions", at_least=1)
         check.integer("probe_mlp_chunk_tokens", at_least=1)
@@ -198,6 +212,12 @@ class LoGRAConfig:
         check.integer("update_chunk_rows", at_least=1)
         check.choice("on_nonfinite", ("skip", "raise"))
         check.integer("max_consecutive_skips", at_least=1)
+
+    def probe_rows(self) -> int:
+        """Responses per rank the KL probe runs on (``probe_responses`` or its default)."""
+        if self.probe_responses is not None:
+            return self.probe_responses
+        return REFERENCE_PROBE_RESPONSES if self.kl_probe == "reference" else STRATIFIED_PROBE_RESPONSES
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

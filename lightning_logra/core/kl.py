@@ -54,6 +54,14 @@ def predicted_kl(
     return per_position[mask].mean()
 
 
+def measured_kl_per_position(logits_before: torch.Tensor, logits_after: torch.Tensor, *,
+                             temperature: float = 1.0) -> torch.Tensor:
+    """Exact KL(p_before || p_after) over the full vocabulary at each position, in float64."""
+    log_p = torch.log_softmax(logits_before.to(torch.float64) / temperature, dim=-1)
+    log_q = torch.log_softmax(logits_after.to(torch.float64) / temperature, dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+
+
 def measured_kl(
     logits_before: torch.Tensor,
     logits_after: torch.Tensor,
@@ -62,9 +70,7 @@ def measured_kl(
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact KL(p_before || p_after) over the full vocabulary, averaged over positions."""
-    log_p = torch.log_softmax(logits_before.to(torch.float64) / temperature, dim=-1)
-    log_q = torch.log_softmax(logits_after.to(torch.float64) / temperature, dim=-1)
-    per_position = (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+    per_position = measured_kl_per_position(logits_before, logits_after, temperature=temperature)
     if mask is None:
         return per_position.mean()
     return per_position[mask.to(torch.bool)].mean()

@@ -131,8 +131,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     ) -> StepReport | None:
         """One LoGRA update: prepare -> budget -> probe -> scale -> apply -> redraw.
 
-        ``logra_inputs`` (``LoGRAStepInputs``): the probe responses (their first
-        ``probe_responses`` rows are probed; needed unless ``kl_control`` is off), the
+        ``logra_inputs`` (``LoGRAStepInputs``): the probe responses (``probe_responses``
+        of them are probed, chosen by ``kl_probe``; needed unless ``kl_control`` is off), the
         rollout/trainer log-prob pairs of the mismatch term, the global count of loss-bearing
         tokens when the loss is a sum over tokens, and whether to record the applied update
         as (alpha D, seed of A) per target for a low-rank weight sync (a collective when
@@ -153,7 +153,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self.skip_update()
             return None
         config = self.config
-        probe = _probe_batch(inputs.probe, config)
+        probe = _probe_batch(inputs.probe, config, self._probe_generator(group))
         timings = {"prepare_s": 0.0, "probe_s": 0.0, "apply_s": 0.0}
         budget = prediction = alpha = measured = None
         try:
@@ -166,15 +166,16 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                     budget = self.controller.budget(self.update_count, pairs, group)
                     prediction = self.predict_kl(probe, group)
                     alpha = self.controller.scale(prediction, budget)
-                    before = probe_logits(self.model, probe, max_tokens=config.probe_max_tokens,
-                                          process_group=group) if measure_kl else None
+                    before, weights = probe_logits(self.model, probe, max_tokens=config.probe_max_tokens,
+                                                   process_group=group) if measure_kl else (None, None)
                 else:
                     alpha = 1.0
             with _timed(timings, "apply_s"), memory_phase("update", UPDATE_HINT):
                 low_rank = self.apply_update(alpha=alpha, budget=budget, record_low_rank=inputs.record_low_rank)
             if measure_kl and probe is not None:
-                after = probe_logits(self.model, probe, max_tokens=config.probe_max_tokens, process_group=group)
-                measured = measured_probe_kl(before, after, temperature=self._temperature(probe), process_group=group)
+                after, _ = probe_logits(self.model, probe, max_tokens=config.probe_max_tokens, process_group=group)
+                measured = measured_probe_kl(before, after, temperature=self._temperature(probe), weights=weights,
+                                             process_group=group)
         except FloatingPointError as error:
             # Sketch flags, the probe and alpha are reduced across ranks, so every rank
             # lands here together and stays consistent.
@@ -389,6 +390,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._finish_step()
 
     # ----------------------------------------------------------------------------- helpers
+    def _probe_generator(self, group: dist.ProcessGroup | None) -> torch.Generator:
+        """The stratified probe's row draws: a function of (seed, update, rank), so that a
+        resumed run draws what the uninterrupted one did and ranks draw independently."""
+        rank = dist.get_rank(group) if group is not None else 0
+        return torch.Generator().manual_seed(((self.config.seed * 1_000_003 + self.update_count) * 65_537 + rank) % 2**63)
+
     def _temperature(self, probe: ProbeBatch) -> float:
         """An explicit logra.probe_temperature wins; else the probe's sampling temperature."""
         return self.config.probe_temperature if self.config.probe_temperature is not None else probe.temperature
@@ -443,7 +450,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self._coverage_checked = True
 
 
-def _probe_batch(probe: ProbeBatch | dict | None, config: LoGRAConfig) -> ProbeBatch | None:
+def _probe_batch(probe: ProbeBatch | dict | None, config: LoGRAConfig, generator: torch.Generator) -> ProbeBatch | None:
     if not config.kl_control:
         return None
     if probe is None:
@@ -452,7 +459,10 @@ def _probe_batch(probe: ProbeBatch | dict | None, config: LoGRAConfig) -> ProbeB
             "(the same keyword through Lightning's and Fabric's optimizers; a Trainer run may instead train on dict "
             "batches with 'input_ids', which are probed by default), or set logra.kl_control=false to step unscaled"
         )
-    return ProbeBatch.from_mapping(probe).first_rows(config.probe_responses)
+    probe = ProbeBatch.from_mapping(probe)
+    if config.kl_probe == "reference":
+        return probe.first_rows(config.probe_rows())
+    return probe.stratified(config.probe_rows(), max_tokens=config.probe_max_tokens, generator=generator)
 
 
 def _step_inputs(inputs: LoGRAStepInputs | None, deprecated: dict[str, Any]) -> LoGRAStepInputs:

@@ -39,7 +39,7 @@ from lightning_logra.rewards.runner import RewardRunner, RewardScores
 from lightning_logra.rollout.base import RolloutEngine, Rollouts
 from lightning_logra.rollout.config import RolloutConfig
 from lightning_logra.rollout.engines import build_engine
-from lightning_logra.rl.batch import BACKWARD_HINT, RolloutBatch, batch_logprobs, mini_batch_rows, step_kl_terms
+from lightning_logra.rl.batch import BACKWARD_HINT, RolloutBatch, batch_logprobs, mini_batch_rows
 from lightning_logra.rl.collectives import any_rank, gather_objects, gather_ranks
 from lightning_logra.rl.config import (BatchingConfig, LoggingConfig, LoRAConfig, LossConfig, MultiTurnConfig,
                                        OptimizerConfig)
@@ -47,6 +47,7 @@ from lightning_logra.rl.losses import NonFiniteRewards, RunningBaseline, group_a
 from lightning_logra.rl.metrics import PassTotals, PhaseClock, step_metrics
 from lightning_logra.rl.packing import check_packing
 from lightning_logra.rl.step import build_lr_schedule, build_optimizer, run_update
+from lightning_logra.rl.step_kl import draw_before_step, step_kl_sums
 from lightning_logra.rl.sampling import (
     ScoredRollouts,
     draw_prompts,
@@ -296,6 +297,11 @@ class GRPOModule(L.LightningModule):
         rank has a token to train on there (``loss.mask_truncated`` and every completion cut
         off): then nothing runs."""
         lowrank = self.rollout_config.weight_sync == "lowrank"
+        draw = None
+        if self.logging.step_kl:
+            draw = draw_before_step(self.policy, batch, rows, self._micro_batching, count=self.logging.step_kl_rows,
+                                    generator=self._step_kl_generator(passes.updates))
+            phases.lap("step_kl")
         update = run_update(self.policy, self.optimizers(), batch, rows, self._micro_batching,
                             backward=self.manual_backward, passes=passes, world=self.trainer.world_size,
                             num_generations=self.rollout_config.num_generations,
@@ -312,12 +318,18 @@ class GRPOModule(L.LightningModule):
         passes.updates += 1
         self._empty_updates_in_a_row = 0
         phases.lap("optimizer_step")  # under logra_fsdp the whole LoGRA update, split further in perf/logra_*
-        if self.logging.step_kl:
-            passes.add_step_kl(*step_kl_terms(self.policy, batch, rows, update.trainer_logprobs, self._micro_batching))
+        if draw is not None:
+            passes.add_step_kl(*step_kl_sums(self.policy, batch, draw, self._micro_batching))
             if hasattr(self.policy, "reshard"):  # as for the reference: no backward follows this forward
                 self.policy.reshard()
             phases.lap("step_kl")
         return update.trainer_logprobs
+
+    def _step_kl_generator(self, update: int) -> torch.Generator:
+        """``policy/step_kl``'s own draws (rows, fresh tokens): the training randomness is
+        untouched, and a resumed run draws what the uninterrupted one did."""
+        seed = sampling_seed(self.seed + 15_485_863 * (update + 1), self.global_step, self.global_rank)
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     def _count_empty_update(self, passes: PassTotals) -> None:
         """An update with nothing to train on is skipped and counted; a run of them means the

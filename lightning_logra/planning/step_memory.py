@@ -239,7 +239,7 @@ def step_memory(model: nn.Module, settings: StepSettings) -> StepMemory:
         activations = shape.layers * layer + logits
 
     if method == "logra":
-        probe_tokens = settings.probe_tokens or logra.probe_responses * min(logra.probe_max_tokens, row_tokens)
+        probe_tokens = settings.probe_tokens or logra.probe_rows() * min(logra.probe_max_tokens, row_tokens)
         update_workspace = _probe_bytes(shape, probe_tokens, logra.probe_mlp_chunk_tokens, settings)
         update_workspace += shape.widest_target_rows * logra_rank * FLOAT32  # one layer's update rows
     elif settings.cpu_optimizer:

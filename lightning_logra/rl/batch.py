@@ -20,7 +20,7 @@ from lightning_logra.core.reliability import memory_phase
 from lightning_logra.rl.collectives import global_counts, max_over_ranks
 from lightning_logra.rl.config import LossConfig
 from lightning_logra.rl.logprobs import packed_sequence_logprobs, sequence_logprobs
-from lightning_logra.rl.losses import k3, micro_batch_loss, normalised_per_token
+from lightning_logra.rl.losses import micro_batch_loss, normalised_per_token
 from lightning_logra.rl.metrics import PassTotals
 from lightning_logra.rl.packing import row_micro_batches, token_micro_batches
 from lightning_logra.rollout.base import Rollouts
@@ -51,8 +51,9 @@ class RolloutBatch:
     def probe_batch(self, rows: slice, *, num_generations: int, temperature: float, packed: bool = False) -> ProbeBatch:
         """The rows' responses for LoGRA's KL probe, scored at the positions that generated
         their tokens, at the sampling temperature (``packed``: see ``ProbeBatch``). Rows come
-        one per prompt first (then each prompt's second sample, ...), so the probe's first
-        responses answer different prompts."""
+        one per prompt first (then each prompt's second sample, ...), so the reference
+        probe's first responses answer different prompts; each row's key is its advantage,
+        which the stratified probe sorts by (rows of rare outcomes carry most of a step's KL)."""
         rollouts = self.rollouts
         attention_mask = rollouts.attention_mask[rows]
         logits_mask = torch.zeros_like(attention_mask, dtype=torch.bool)
@@ -66,6 +67,7 @@ class RolloutBatch:
             position_ids=(attention_mask.long().cumsum(-1) - 1).clamp(min=0)[order],
             temperature=float(temperature),
             packed=packed,
+            row_keys=self.advantages[rows][order],
         )
 
     def logprob_pairs(self, rows: slice, trainer_logprobs: torch.Tensor) -> LogprobPairs:
@@ -116,24 +118,6 @@ def batch_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         if index < len(parts):
             logprobs[part] = values
     return logprobs
-
-
-def step_kl_terms(policy: nn.Module, batch: RolloutBatch, rows: slice, before: torch.Tensor,
-                  settings: MicroBatching) -> tuple[torch.Tensor, torch.Tensor]:
-    """How far one optimizer step moved the policy on its own rollouts: this rank's sum of
-    ``k3 = r - 1 - log r`` over the trained tokens of ``rows``, and their count, where ``r``
-    is a sampled token's probability after the step over before (``before``: the rows'
-    log-probs at the weights the step started from, at the sampling temperature).
-
-    k3 is never negative, and its mean over tokens sampled from the policy before the step
-    is an unbiased estimate of KL(before || after) (the rollouts come from the engine: the
-    estimate inherits the rollout/trainer mismatch, ``policy/rollout_trainer_logprob_gap``).
-    Costs one no-grad forward over the rows. Every rank must call it (FSDP2)."""
-    rollouts = batch.rollouts
-    with torch.no_grad(), memory_phase("backward", BACKWARD_HINT):
-        after = batch_logprobs(policy, rollouts.input_ids[rows], rollouts.attention_mask[rows], settings)
-    mask = batch.mask[rows]
-    return k3((after - before).double()[mask]).sum(), mask.sum()
 
 
 def backward_micro_batches(

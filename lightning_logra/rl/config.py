@@ -206,10 +206,15 @@ class LoggingConfig:
     """Log every validation sample (prompt, completion, answer, rewards) as a table, all of
     them, gathered from every rank (``val_completions/step_<step>.json`` in MLflow):
     per-prompt results to compare runs on."""
-    step_kl: bool = False
-    """After every optimizer step, one more no-grad forward over its rollouts measures how far
-    the step moved the policy: ``policy/step_kl``, the k3 estimate of KL(before || after) on
-    the trained tokens, for any method (dense, LoRA, LoGRA)."""
+    step_kl: bool = True
+    """Measure how far every optimizer step moved the policy, for any method (dense, LoRA,
+    LoGRA): ``policy/step_kl``, KL(before || after) averaged over the update's trained
+    positions (what LoGRA's budget bounds), estimated on ``step_kl_rows`` rows by k3 at
+    tokens freshly drawn from the pre-step policy (``rl.step_kl``); one no-grad forward over
+    those rows before the step and one after."""
+    step_kl_rows: int | None = 8
+    """Rows per update (per rank) ``policy/step_kl`` is measured on, drawn stratified by
+    advantage; None: every row (exact up to the token draws, a forward over the whole batch)."""
 
     def __post_init__(self) -> None:
         check = FieldChecks.of(self)
@@ -217,6 +222,7 @@ class LoggingConfig:
         check.integer("completions_count", at_least=1)
         check.boolean("val_completions")
         check.boolean("step_kl")
+        check.integer("step_kl_rows", at_least=1, optional=True)
 
 
 # Plain dataclasses, safe to rebuild: checkpoints that hold them as hyper-parameters load

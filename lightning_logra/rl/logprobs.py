@@ -92,10 +92,9 @@ def sequence_logprobs(
     they were sampled. Values at padding positions are meaningless: mask them.
     """
     _check_rows(input_ids, attention_mask)
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-    return _logprobs_in_forward(model, inputs, None, input_ids[:, 1:], temperature=temperature,
-                                chunk_size=chunk_size, return_entropy=return_entropy)
+    head = _token_logprobs_head(input_ids[:, 1:], temperature, chunk_size, return_entropy)
+    scores = _head_in_forward(model, _padded_inputs(input_ids, attention_mask), None, head)
+    return (scores[..., 0], scores[..., 1]) if return_entropy else scores
 
 
 def packed_sequence_logprobs(
@@ -132,8 +131,9 @@ def packed_sequence_logprobs(
     next_column = (columns + 1).clamp(max=real.shape[1] - 1)
     scored = ((columns + 1 < real.shape[1]) & real[rows, next_column])[:-1]
     inputs = {"input_ids": packed_ids, "position_ids": position_ids}
-    values = _logprobs_in_forward(model, inputs, scored, packed_ids[0, 1:][scored], temperature=temperature,
-                                  chunk_size=chunk_size, return_entropy=return_entropy)
+    head = _token_logprobs_head(packed_ids[0, 1:][scored], temperature, chunk_size, return_entropy)
+    scores = _head_in_forward(model, inputs, scored, head)
+    values = (scores[..., 0], scores[..., 1]) if return_entropy else scores
     where = (rows[:-1][scored], columns[:-1][scored])
 
     def padded(packed: torch.Tensor) -> torch.Tensor:
@@ -150,14 +150,85 @@ def _check_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         )
 
 
-def _logprobs_in_forward(model, inputs, scored, targets, *, temperature, chunk_size, return_entropy):
-    """The model's forward on ``inputs`` with the head replaced by ``token_logprobs`` of
-    ``targets`` at the positions ``scored`` selects among ``hidden[:, :-1]`` (all when None).
+def sampled_token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                           samples: int, generator: torch.Generator, temperature: float = 1.0,
+                           chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """At every position, ``samples`` tokens drawn (with replacement, by ``generator``) from
+    the model's next-token distribution at ``temperature``, and their log-probs: two
+    ``B x (T-1) x samples`` tensors, int64 and float32 (padding positions: meaningless).
+    ``generator`` lives on the model's device.
+    No gradient; left-padded rows are read as ``sequence_logprobs`` reads them."""
+    _check_rows(input_ids, attention_mask)
 
-    Hooks on ``model.get_output_embeddings()`` compute the log-probs inside the model's
-    own forward from the head's input, while the head sees a single position. Running
-    inside the forward keeps FSDP2's unsharded head weight valid and makes the result the
-    model output, so FSDP2's pre-backward hook re-gathers the weight before backward.
+    def draw(hidden, weight, bias):
+        tokens, logprobs = [], []
+        for start in range(0, hidden.shape[0], chunk_size):
+            log_p = _chunk_log_softmax(hidden[start : start + chunk_size], weight, bias, temperature)
+            drawn = torch.multinomial(log_p.exp(), samples, replacement=True, generator=generator)
+            tokens.append(drawn)
+            logprobs.append(log_p.gather(-1, drawn))
+        return torch.stack([torch.cat(logprobs), torch.cat(tokens).double()], dim=-1)
+
+    with torch.no_grad():
+        flat = _head_in_forward(model, _padded_inputs(input_ids, attention_mask), None, _flat_head(draw))
+    return flat[..., 1].long(), flat[..., 0].float()
+
+
+def logprobs_of(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, tokens: torch.Tensor, *,
+                temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """No-grad log-probs of ``tokens`` (``B x (T-1) x k``: k candidate next tokens per
+    position, e.g. ``sampled_token_logprobs``' draws) under the model: ``B x (T-1) x k``."""
+    _check_rows(input_ids, attention_mask)
+    candidates = tokens.reshape(-1, tokens.shape[-1])
+
+    def gather(hidden, weight, bias):
+        return torch.cat([_chunk_log_softmax(hidden[start : start + chunk_size], weight, bias, temperature)
+                          .gather(-1, candidates[start : start + chunk_size]) for start in range(0, hidden.shape[0], chunk_size)])
+
+    with torch.no_grad():
+        return _head_in_forward(model, _padded_inputs(input_ids, attention_mask), None, _flat_head(gather))
+
+
+def _padded_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+def _chunk_log_softmax(hidden, weight, bias, temperature):
+    # As _chunk_logprobs: the head in the model's dtype, the softmax in float32.
+    logits = F.linear(hidden, weight, bias).float()
+    return torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+
+
+def _flat_head(compute):
+    """A head function over ``(B, T-1, H)`` hidden states that runs ``compute`` on the
+    flattened positions and restores the batch shape."""
+
+    def head(hidden, weight, bias):
+        values = compute(hidden.reshape(-1, hidden.shape[-1]), weight, bias)
+        return values.reshape(*hidden.shape[:-1], *values.shape[1:])
+
+    return head
+
+
+def _token_logprobs_head(targets, temperature, chunk_size, return_entropy):
+    def head(hidden, weight, bias):
+        scores = token_logprobs(hidden, weight, bias, targets, temperature=temperature, chunk_size=chunk_size,
+                                return_entropy=return_entropy)
+        return torch.stack(scores, dim=-1) if return_entropy else scores
+
+    return head
+
+
+def _head_in_forward(model, inputs, scored, head_function):
+    """The model's forward on ``inputs`` with its output head replaced by
+    ``head_function(hidden, weight, bias)`` of the hidden states at the positions ``scored``
+    selects among ``hidden[:, :-1]`` (all when None); its result is the model's output.
+
+    Hooks on ``model.get_output_embeddings()`` compute it inside the model's own forward
+    from the head's input, while the head sees a single position. Running inside the
+    forward keeps FSDP2's unsharded head weight valid and makes the result the model
+    output, so FSDP2's pre-backward hook re-gathers the weight before backward.
     """
     if getattr(model.config, "final_logit_softcapping", None):
         raise ValueError("models with final_logit_softcapping are not supported: the head output is rescaled")
@@ -170,16 +241,7 @@ def _logprobs_in_forward(model, inputs, scored, targets, *, temperature, chunk_s
 
     def replace_logits(module, args, output):
         hidden = captured.pop("hidden")[:, :-1]
-        scores = token_logprobs(
-            hidden if scored is None else hidden[0, scored],
-            module.weight,
-            module.bias,
-            targets,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            return_entropy=return_entropy,
-        )
-        return torch.stack(scores, dim=-1) if return_entropy else scores
+        return head_function(hidden if scored is None else hidden[0, scored], module.weight, module.bias)
 
     pre_handle = head.register_forward_pre_hook(keep_one_position)
     # prepend: run before FSDP2's post-forward hook reshards the head weight.
@@ -189,6 +251,4 @@ def _logprobs_in_forward(model, inputs, scored, targets, *, temperature, chunk_s
     finally:
         pre_handle.remove()
         post_handle.remove()
-    if return_entropy:
-        return out.logits[..., 0], out.logits[..., 1]
     return out.logits

@@ -21,7 +21,9 @@ def test_defaults_match_the_paper():
     assert config.update_factor_dtype == "bfloat16"
     assert (config.beta2, config.epsilon, config.update_ratio) == (0.95, 1e-8, 6e-5)
     assert (config.kl_budget, config.kl_budget_final, config.schedule_steps) == (2e-4, 2e-5, 300)
-    assert (config.alpha_max, config.probe_responses, config.probe_max_tokens) == (3.0, 2, 4096)
+    assert (config.alpha_max, config.probe_max_tokens) == (3.0, 4096)
+    # The authors probe their first 2 responses; ours by default one from each of 8 strata (issue 41).
+    assert (LoGRAConfig(kl_probe="reference").probe_rows(), config.kl_probe, config.probe_rows()) == (2, "stratified", 8)
     assert (config.mismatch_subtraction, config.mismatch_ema_weight, config.mismatch_budget_floor) == (True, 0.3, 0.5)
     assert config.target_modules == list(DEFAULT_TARGET_MODULES) == [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
@@ -223,7 +225,7 @@ BOOLEANS = ["redraw_projections", "share_projection_by_input", "follow_lr_schedu
 
 def test_every_field_is_checked_by_kind():
     checked = set(NUMBERS) | set(INTEGERS) | set(BOOLEANS) | {
-        "rank", "distribution", "target_modules", "update_factor_dtype", "sketch_reduction", "sketch_accumulation",
+        "rank", "distribution", "target_modules", "update_factor_dtype", "sketch_reduction", "sketch_accumulation", "kl_probe",
         "on_nonfinite"}
     assert checked == {f.name for f in dataclasses.fields(LoGRAConfig)}
 

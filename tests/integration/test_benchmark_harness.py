@@ -119,6 +119,7 @@ RENDERED = [
     ("fits", "fits.json", []),
     ("beyond_math", "beyond_math.json", []),
     ("step_kl", "step_kl.json", []),
+    ("step_kl_rows", "step_kl_rows.json", []),
     ("peers", "peers.json", []),
     ("quality_matched_report", "quality_matched.json", []),  # quality_matched's renderer
 ]

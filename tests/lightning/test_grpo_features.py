@@ -279,7 +279,7 @@ def test_step_kl_logs_how_far_each_step_moved_the_policy(model_folder, method):
     from lightning_logra.modules import LoRAConfig
 
     options = {"lora": LoRAConfig(rank=4, alpha=8.0)} if method == "lora" else {}
-    grpo = grpo_module(model_folder, logging=LoggingConfig(step_kl=True), reward=reward_config("varied_reward"), **options)
+    grpo = grpo_module(model_folder, reward=reward_config("varied_reward"), **options)  # step_kl: on by default
     strategy, callbacks, measured = "auto", [], []
     if method == "logra":
         strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, kl_budget=1e-3, kl_budget_final=1e-3))
@@ -293,13 +293,14 @@ def test_step_kl_logs_how_far_each_step_moved_the_policy(model_folder, method):
     for index, step in enumerate(logged):
         assert step["policy/step_kl"] > 0 and step["perf/step_kl_s"] > 0
         if method == "logra":
-            # Two views of one step: k3 on every trained token vs the exact KL on the probe's
-            # rows (a subset), both scaled to the budget; on 4 rollouts they agree in size only.
-            assert 0.2 < step["policy/step_kl"] / measured[index] < 5
+            # Two estimates of one quantity: the exact KL on the probe's rows (all 4 here, at
+            # most 8 are probed) and k3 at 4 fresh tokens per trained position of the same
+            # rows; on a few dozen positions the token draws leave tens of percent between them.
+            assert 0.5 < step["policy/step_kl"] / measured[index] < 2
 
 
-def test_step_kl_is_not_measured_unless_asked(model_folder):
-    _, logged = fit_grpo(grpo_module(model_folder), model_folder, steps=1)
+def test_step_kl_is_not_measured_when_turned_off(model_folder):
+    _, logged = fit_grpo(grpo_module(model_folder, logging=LoggingConfig(step_kl=False)), model_folder, steps=1)
     assert "policy/step_kl" not in logged[0] and "perf/step_kl_s" not in logged[0]
 
 

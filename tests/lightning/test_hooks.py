@@ -74,7 +74,9 @@ def test_the_probe_handed_down_is_scored_else_the_training_batch(tmp_path, monke
     module = HandsInputsDown(inputs=None if handed_down else LoGRAStepInputs())
     trainer(LoGRAFSDPStrategy(logra=config(kl_control=True)), max_steps=1, tmp_path=tmp_path).fit(module, loader(4))
     expected = fixed_probe()["input_ids"] if handed_down else token_rows()[:4]
-    assert len(probed) == 1 and torch.equal(probed[0].input_ids, expected[:2])  # probe_responses = 2 rows
+    # The default stratified probe: up to 8 rows, here every row, each standing for itself.
+    assert len(probed) == 1 and torch.equal(probed[0].input_ids, expected)
+    assert probed[0].row_weights.tolist() == [1.0] * len(expected)
 
 
 def test_the_grpo_module_provides_every_hook(model_folder):

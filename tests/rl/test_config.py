@@ -36,7 +36,7 @@ def test_defaults_are_unchanged():
     assert dataclasses.asdict(BatchingConfig()) == dict(
         micro_batch_size=4, micro_batch_tokens=None, num_iterations=1, mini_batches=1, logprob_chunk_positions=256)
     assert dataclasses.asdict(LoggingConfig()) == dict(
-        completions_every=0, completions_count=8, val_completions=False, step_kl=False)
+        completions_every=0, completions_count=8, val_completions=False, step_kl=True, step_kl_rows=8)
 
 
 def test_a_nan_failure_reward_is_refused():
@@ -135,6 +135,7 @@ def test_a_tool_timeout_past_a_day_is_refused():
     (LoggingConfig, "completions_count", 0, "an integer >= 1"),
     (LoggingConfig, "val_completions", 1, "true or false"),
     (LoggingConfig, "step_kl", "yes", "true or false"),
+    (LoggingConfig, "step_kl_rows", 0, "an integer >= 1 or None"),
 ])
 def test_the_module_groups_check_their_fields(config_class, field, value, allowed):
     refuses(config_class, allowed, **{field: value})

@@ -1,62 +1,117 @@
-"""policy/step_kl: how far one optimizer step moved the policy, k3 on the step's own tokens."""
+"""policy/step_kl (rl/step_kl.py), and the KL budget measured by it: a LoGRA step moves the
+policy on its whole batch by about the budget, not only on the rows its probe scored."""
 
+import pytest
 import torch
 
-from lightning_logra.rl.batch import backward_micro_batches, step_kl_terms
-from lightning_logra.rl.logprobs import sequence_logprobs
+from lightning_logra.core.config import LoGRAConfig
+from lightning_logra.core.optimizer import LoGRAOptimizer
 from lightning_logra.rl.metrics import PassTotals
+from lightning_logra.rl.step import run_update
+from lightning_logra.rl.step_kl import SAMPLES, draw_before_step, step_kl_sums
 from tests.helpers.models import tiny_qwen2
 from tests.helpers.rollouts import micro_batching, rollout_batch
 
-PROMPTS = [3, 5, 2, 4]
-COMPLETIONS = [6, 2, 7, 4]
+GENERATIONS = 8
+PROMPTS = [3] * GENERATIONS + [5] * GENERATIONS
+COMPLETIONS = [6, 7, 5, 8, 6, 7, 5, 6, 7, 6, 8, 5, 7, 6, 5, 8]
+ROWS = slice(0, len(PROMPTS))
 
 
-def trained_logprobs(model, batch, settings) -> torch.Tensor:
-    """The rows' log-probs as an update's forward/backward computes them (the 'before')."""
-    return backward_micro_batches(model, batch, slice(0, len(PROMPTS)), settings, backward=torch.Tensor.backward,
-                                  passes=PassTotals.zeros(torch.device("cpu")))
+def rare_success_batch(seed: int):
+    """Two prompts x 8 samples as GRPO scores binary rewards: the first prompt's samples all
+    failed (advantage 0), one of the second's succeeded (+2.47 against -0.35 for the rest)."""
+    batch = rollout_batch(PROMPTS, COMPLETIONS, seed=seed)
+    batch.advantages = torch.tensor([0.0] * GENERATIONS + [-0.35] * (GENERATIONS - 1) + [2.47])
+    return batch
 
 
-def test_a_step_that_moves_nothing_measures_exactly_zero():
-    model, batch, settings = tiny_qwen2(), rollout_batch(PROMPTS, COMPLETIONS), micro_batching()
-    before = trained_logprobs(model, batch, settings)
-    k3_sum, tokens = step_kl_terms(model, batch, slice(0, len(PROMPTS)), before, settings)
-    assert k3_sum.item() == 0.0
-    assert tokens.item() == batch.mask.sum().item() == sum(COMPLETIONS)
+def exact_log_softmax(model, batch) -> torch.Tensor:
+    """float64 log-softmax at every trained position of the batch (positions x vocabulary)."""
+    rollouts = batch.rollouts
+    positions = (rollouts.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=rollouts.input_ids, attention_mask=rollouts.attention_mask,
+                       position_ids=positions).logits[:, :-1]
+    return torch.log_softmax(logits.double() / micro_batching().temperature, dim=-1)[batch.mask]
 
 
-def test_step_kl_is_k3_of_every_trained_token_after_over_before():
-    batch = rollout_batch(PROMPTS, COMPLETIONS)
-    rows = slice(1, 3)  # a mini-batch: the rows of one update
-    for settings in (micro_batching(), micro_batching(tokens=16)):  # padded and packed micro-batches
-        moved = tiny_qwen2()
-        before = trained_logprobs(moved, batch, settings)[rows]
-        with torch.no_grad():
-            for parameter in moved.parameters():
-                parameter.add_(torch.randn_like(parameter), alpha=0.05)
-        k3_sum, tokens = step_kl_terms(moved, batch, rows, before, settings)
-        # Independently: the whole batch in one padded forward, float64 k3 on the masked tokens.
-        with torch.no_grad():
-            after = sequence_logprobs(moved, batch.rollouts.input_ids, batch.rollouts.attention_mask,
-                                      temperature=settings.temperature)[rows]
-        log_ratio = (after - before).double()[batch.mask[rows]]
-        want = (log_ratio.exp() - 1 - log_ratio).sum()
-        assert tokens.item() == batch.mask[rows].sum().item()
-        assert want > 1e-3  # the perturbation moved the policy measurably
-        # float32 log-probs from different micro-batch shapes agree to ~1e-6 per token.
-        torch.testing.assert_close(k3_sum, want, rtol=1e-4, atol=1e-7)
+def exact_step_kl(before: torch.Tensor, after: torch.Tensor) -> float:
+    return float((before.exp() * (before - after)).sum(-1).mean())
 
 
-def test_k3_is_never_negative_and_its_mean_estimates_the_kl():
-    # Tokens drawn from p ("before"); q = p moved: mean k3 of log q/p approaches KL(p || q).
-    generator = torch.Generator().manual_seed(0)
-    p = torch.softmax(torch.randn(50, generator=generator), dim=0).double()
-    q = torch.softmax(torch.log(p) + 0.3 * torch.randn(50, generator=generator).double(), dim=0)
-    samples = torch.multinomial(p, 200_000, replacement=True, generator=generator)
-    log_ratio = torch.log(q[samples]) - torch.log(p[samples])
-    k3 = log_ratio.exp() - 1 - log_ratio
-    exact = (p * (p.log() - q.log())).sum()
-    assert (k3 >= 0).all()
-    # 200k samples: the estimate's standard error here is about 0.3% of the KL.
-    assert abs(k3.mean() - exact) < 0.02 * exact
+def logra_update(batch, kl_probe: str, probe_responses: int, seed: int):
+    """One LoGRA update of a fresh tiny model on the batch; the batch's exact step KL over the
+    budget, and the model."""
+    torch.manual_seed(seed)
+    model = tiny_qwen2().train()
+    optimizer = LoGRAOptimizer(model, LoGRAConfig(rank=8, update_ratio=1e-2, kl_budget=1e-5, kl_probe=kl_probe,
+                                                  probe_responses=probe_responses, mismatch_subtraction=False))
+    before = exact_log_softmax(model, batch)
+    update = run_update(model, optimizer, batch, ROWS, micro_batching(size=8), backward=torch.Tensor.backward,
+                        passes=PassTotals.zeros(torch.device("cpu")), num_generations=GENERATIONS, logra=True)
+    assert update.report.alpha < optimizer.config.alpha_max  # the budget, not alpha_max, set the step
+    return exact_step_kl(before, exact_log_softmax(model, batch)) / update.report.budget
+
+
+def test_the_stratified_probe_holds_the_whole_batch_to_the_budget():
+    # Five batches where the step's KL sits in the rare success's row. The authors' probe
+    # scores the first response of each prompt and misses it: the batch moves 1.6-2.2x the
+    # budget on three of five. Eight responses drawn stratified by advantage (of 16) keep
+    # every step within [0.67, 1.5] of it (issue 41's target); the rest of the gap to 1.0 is
+    # the second-order prediction's own error (0.88-1.0 with all 16 rows probed).
+    reference = [logra_update(rare_success_batch(seed), "reference", 2, seed) for seed in range(5)]
+    stratified = [logra_update(rare_success_batch(seed), "stratified", 8, seed) for seed in range(5)]
+    assert sum(ratio > 1.5 for ratio in reference) >= 2, reference
+    assert all(0.67 <= ratio <= 1.5 for ratio in stratified), stratified
+
+
+def test_a_step_that_moves_nothing_measures_exactly_zero_over_all_trained_positions():
+    model, batch, settings = tiny_qwen2(), rare_success_batch(0), micro_batching(size=3)
+    for count in (None, 4):
+        draw = draw_before_step(model, batch, ROWS, settings, count=count, generator=torch.Generator().manual_seed(0))
+        k3_sum, positions = step_kl_sums(model, batch, draw, settings)
+        assert k3_sum.item() == 0.0
+        # Drawn stratified, the rows' weights make them stand for every trained position.
+        assert positions.item() == pytest.approx(batch.mask.sum().item(), rel=1e-12)
+        assert draw.tokens.shape[-1] == SAMPLES
+
+
+def test_the_estimate_is_k3_of_tokens_drawn_from_the_policy_before_the_step():
+    batch, settings = rare_success_batch(1), micro_batching(size=5)
+    moved = tiny_qwen2()
+    before = exact_log_softmax(moved, batch)
+    draw = draw_before_step(moved, batch, ROWS, settings, count=None, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for parameter in moved.parameters():
+            parameter.add_(torch.randn_like(parameter), alpha=0.05)
+    after = exact_log_softmax(moved, batch)
+    k3_sum, positions = step_kl_sums(moved, batch, draw, settings)
+    # Independently, from the full float64 distributions at the drawn tokens.
+    tokens = draw.tokens[batch.mask[draw.rows]]
+    log_ratio = after.gather(-1, tokens) - before.gather(-1, tokens)
+    want = (log_ratio.exp() - 1 - log_ratio).mean(dim=-1).sum()
+    assert positions.item() == batch.mask.sum().item()
+    # float32 log-probs from a different batch shape: ~1e-6 per token.
+    torch.testing.assert_close(k3_sum, want, rtol=1e-4, atol=1e-7)
+    # And the draws follow the pre-step policy: the drawn tokens' log-probs are its own.
+    torch.testing.assert_close(draw.before[batch.mask[draw.rows]].double(), before.gather(-1, tokens), rtol=0, atol=1e-5)
+
+
+def test_its_mean_over_draws_is_the_exact_kl_of_the_step():
+    batch, settings = rare_success_batch(2), micro_batching(size=8)
+    moved = tiny_qwen2()
+    before = exact_log_softmax(moved, batch)
+    draws = [draw_before_step(moved, batch, ROWS, settings, count=4, generator=torch.Generator().manual_seed(seed))
+             for seed in range(120)]
+    with torch.no_grad():
+        for parameter in moved.parameters():
+            parameter.add_(torch.randn_like(parameter), alpha=0.05)
+    exact = exact_step_kl(before, exact_log_softmax(moved, batch))
+    estimates = torch.tensor([(lambda s: (s[0] / s[1]).item())(step_kl_sums(moved, batch, draw, settings))
+                              for draw in draws])
+    # Unbiased: the mean of 120 independent estimates (4 of 16 rows, 4 tokens a position)
+    # lies within 4 standard errors of the exact KL.
+    standard_error = estimates.std() / len(estimates) ** 0.5
+    assert abs(estimates.mean() - exact) < 4 * standard_error
+    assert standard_error < 0.05 * exact  # and the check has the power to see a 20% bias
