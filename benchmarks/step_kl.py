@@ -9,11 +9,12 @@ prompts):
   with ours (``stratified``, the default) and, on the quickstart, the authors' probe
   (``kl_probe: reference``, the first 2 responses; on the code task: ``--runs
   code/reference``, and ``step_kl_rows.py``'s exact per-row measurement), measuring ``policy/step_kl`` on every row
-  (``logging.step_kl_rows: null``: only the token draws are noise). Per step: its ratio to
+  (``logging.step_kl_rows: 0``: only the token draws are noise). Per step: its ratio to
   ``logra/budget``, and the probe's share of the step (``perf/logra_probe_s`` over the step's
   phases, the measurement's own left out).
-- The quickstart's dense AdamW and LoGRA at their defaults (``policy/step_kl`` on 8
-  stratified rows): what measuring it costs, ``perf/step_kl_s`` over the step's phases.
+- The quickstart's three methods (dense AdamW lr 1e-5, LoRA r=256 lr 1e-4, LoGRA) at their
+  defaults (``policy/step_kl`` on 8 stratified rows): how far each moves the policy per step,
+  and what measuring it costs, ``perf/step_kl_s`` over the step's phases.
 
 Target (issue 41): step KL / budget within [0.67, 1.5] on at least 90% of steps, the probe
 at most 10% of a step, the default measurement at most 5%. Medians of times leave out the
@@ -35,7 +36,7 @@ from .harness import (argument_parser, code_line, code_version, command_line, cp
 from .phases import PHASES
 
 LOGRA = "--trainer.strategy.init_args.logra"
-EVERY_ROW = "--model.init_args.logging.step_kl_rows=null"
+EVERY_ROW = "--model.init_args.logging.step_kl_rows=0"
 RUNS = {
     "quickstart/reference": ("configs/quickstart.yaml", [f"{LOGRA}.kl_probe=reference", EVERY_ROW]),
     "quickstart/stratified": ("configs/quickstart.yaml", [EVERY_ROW]),
@@ -43,7 +44,9 @@ RUNS = {
     "code/stratified": ("configs/quickstart_code.yaml", [EVERY_ROW]),
     "quickstart/dense_default": ("configs/quickstart_dense.yaml", []),
     "quickstart/logra_default": ("configs/quickstart.yaml", []),
+    "quickstart/lora_default": ("configs/quickstart_lora.yaml", []),
 }
+BASELINES = ("quickstart/dense_default", "quickstart/lora_default")  # AdamW: no budget, no probe
 DEFAULT_RUNS = [name for name in RUNS if name != "code/reference"]  # on code the authors' probe: step_kl_rows.md
 BAND = (0.67, 1.5)  # step KL / budget (issue 41)
 INSIDE_TARGET = 0.90
@@ -64,7 +67,7 @@ def measure(work: Path, names: list[str]) -> dict:
                              f"--trainer.default_root_dir={work}", "--trainer.logger.init_args.experiment_name=step_kl",
                              f"--trainer.logger.init_args.run_name={run_name}"], environment, work / f"{run_name}.log")
         keys = ["policy/step_kl", "reward/mean", "perf/step_kl_s", *(f"perf/{phase}_s" for phase in PHASES)]
-        if "dense" not in name:
+        if name not in BASELINES:
             keys += ["logra/budget", "logra/alpha", "logra/predicted_kl_scaled", "perf/logra_probe_s"]
         history = {key: dict(metric_history(database, run_name, key)) for key in keys}
         runs[name] = {"config": config, "arguments": extra, "seconds": seconds, "history": history}
@@ -77,7 +80,7 @@ def summarise(run: dict) -> dict:
     steps = sorted(history["policy/step_kl"])
     step_seconds = {s: sum(history[f"perf/{phase}_s"].get(s, 0.0) for phase in PHASES) for s in steps}
     timed = steps[1:]
-    summary = {"steps": len(steps),
+    summary = {"steps": len(steps), "median_step_kl": statistics.median(history["policy/step_kl"][s] for s in steps),
                "measure_share": statistics.median(history["perf/step_kl_s"][s] / step_seconds[s] for s in timed)}
     if "logra/budget" in history:
         # Steps whose update had something to train on (a budget was set).
@@ -99,19 +102,19 @@ def summary_line(name: str, summary: dict) -> str:
 def render(result: dict) -> str:
     lines = ["# Does the KL budget bound the step on the batch? (SmolLM2-135M-Instruct, CPU)", "",
              "`policy/step_kl`: KL(before || after) over every trained position of the update, estimated by k3 at "
-             "4 tokens per position drawn from the pre-step policy; on every row (`step_kl_rows: null`) in the "
+             "4 tokens per position drawn from the pre-step policy; on every row (`step_kl_rows: 0`) in the "
              "probe comparisons, on 8 stratified rows (the default) in the cost rows.", "",
-             "| run | step KL / budget, per step | median | steps in [0.67, 1.5] | probe: share of a step | "
-             "measuring step KL: share of a step |", "|---|---|---:|---:|---:|---:|"]
+             "| run | median step KL | step KL / budget, per step | median | steps in [0.67, 1.5] | "
+             "probe: share of a step | measuring step KL: share of a step |", "|---|---:|---|---:|---:|---:|---:|"]
     for name, run in result["runs"].items():
         s = summarise(run)
         if "ratios" in s:
             ratios = " ".join(f"{r:.2f}" for r in s["ratios"])
-            lines.append(f"| {name} | {ratios} | {s['median_ratio']:.2f} | {100 * s['inside']:.0f}% "
+            lines.append(f"| {name} | {s['median_step_kl']:.2e} | {ratios} | {s['median_ratio']:.2f} | {100 * s['inside']:.0f}% "
                          f"({sum(BAND[0] <= r <= BAND[1] for r in s['ratios'])}/{len(s['ratios'])}) | "
                          f"{100 * s['probe_share']:.1f}% | {100 * s['measure_share']:.1f}% |")
         else:
-            lines.append(f"| {name} | - | - | - | - | {100 * s['measure_share']:.1f}% |")
+            lines.append(f"| {name} | {s['median_step_kl']:.2e} | - | - | - | - | {100 * s['measure_share']:.1f}% |")
     lines += ["", f"Targets: at least {100 * INSIDE_TARGET:.0f}% of steps in [{BAND[0]}, {BAND[1]}], the probe at most "
                   f"{100 * PROBE_LIMIT:.0f}% of a step, the default measurement at most {100 * MEASURE_LIMIT:.0f}% "
                   "(times: medians over steps 1+; a step is the sum of its phases, the measurement's own left out).",

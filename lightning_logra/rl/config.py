@@ -212,9 +212,9 @@ class LoggingConfig:
     positions (what LoGRA's budget bounds), estimated on ``step_kl_rows`` rows by k3 at
     tokens freshly drawn from the pre-step policy (``rl.step_kl``); one no-grad forward over
     those rows before the step and one after."""
-    step_kl_rows: int | None = 8
+    step_kl_rows: int = 8
     """Rows per update (per rank) ``policy/step_kl`` is measured on, drawn stratified by
-    advantage; None: every row (exact up to the token draws, a forward over the whole batch)."""
+    advantage; 0: every row (exact up to the token draws, a forward over the whole batch)."""
 
     def __post_init__(self) -> None:
         check = FieldChecks.of(self)
@@ -222,7 +222,7 @@ class LoggingConfig:
         check.integer("completions_count", at_least=1)
         check.boolean("val_completions")
         check.boolean("step_kl")
-        check.integer("step_kl_rows", at_least=1, optional=True)
+        check.integer("step_kl_rows", at_least=0)
 
 
 # Plain dataclasses, safe to rebuild: checkpoints that hold them as hyper-parameters load

@@ -9,7 +9,7 @@ after it, ``step_kl_sums`` scores those tokens again. k3 of their log-prob ratio
 unbiased for each position's KL because the tokens are fresh: k3 at the tokens the update
 was trained on, which it raised or lowered on purpose, over-stated the KL 1.5-5x on the
 quickstart (``benchmarks/results/step_kl_rows.md``). Two no-grad forwards over the drawn
-rows; with ``rows=None`` every row is drawn (each stands for itself) and the estimate's only
+rows; with ``count=0`` every row is drawn (each stands for itself) and the estimate's only
 noise is the token draws'.
 """
 
@@ -43,12 +43,12 @@ class StepKLDraw:
 
 
 def draw_before_step(policy: nn.Module, batch: RolloutBatch, rows: slice, settings: MicroBatching, *,
-                     count: int | None, generator: torch.Generator) -> StepKLDraw:
+                     count: int, generator: torch.Generator) -> StepKLDraw:
     """At the pre-step weights: ``count`` rows of ``rows`` stratified by advantage (every
-    row when None) and fresh tokens at their trained positions. Every rank must call it."""
+    row when 0) and fresh tokens at their trained positions. Every rank must call it."""
     mask = batch.mask[rows]
     positions = mask.sum(dim=1)
-    if count is None:
+    if count == 0:
         chosen = [row for row in range(mask.shape[0]) if positions[row] > 0]
         weights = [1.0] * len(chosen)
     else:

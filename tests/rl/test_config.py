@@ -135,7 +135,7 @@ def test_a_tool_timeout_past_a_day_is_refused():
     (LoggingConfig, "completions_count", 0, "an integer >= 1"),
     (LoggingConfig, "val_completions", 1, "true or false"),
     (LoggingConfig, "step_kl", "yes", "true or false"),
-    (LoggingConfig, "step_kl_rows", 0, "an integer >= 1 or None"),
+    (LoggingConfig, "step_kl_rows", -1, "an integer >= 0"),
 ])
 def test_the_module_groups_check_their_fields(config_class, field, value, allowed):
     refuses(config_class, allowed, **{field: value})

@@ -68,7 +68,7 @@ def test_the_stratified_probe_holds_the_whole_batch_to_the_budget():
 
 def test_a_step_that_moves_nothing_measures_exactly_zero_over_all_trained_positions():
     model, batch, settings = tiny_qwen2(), rare_success_batch(0), micro_batching(size=3)
-    for count in (None, 4):
+    for count in (0, 4):
         draw = draw_before_step(model, batch, ROWS, settings, count=count, generator=torch.Generator().manual_seed(0))
         k3_sum, positions = step_kl_sums(model, batch, draw, settings)
         assert k3_sum.item() == 0.0
@@ -81,7 +81,7 @@ def test_the_estimate_is_k3_of_tokens_drawn_from_the_policy_before_the_step():
     batch, settings = rare_success_batch(1), micro_batching(size=5)
     moved = tiny_qwen2()
     before = exact_log_softmax(moved, batch)
-    draw = draw_before_step(moved, batch, ROWS, settings, count=None, generator=torch.Generator().manual_seed(3))
+    draw = draw_before_step(moved, batch, ROWS, settings, count=0, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         for parameter in moved.parameters():
             parameter.add_(torch.randn_like(parameter), alpha=0.05)
