@@ -13,7 +13,7 @@ prompts):
   ``logra/budget``, and the probe's share of the step (``perf/logra_probe_s`` over the step's
   phases, the measurement's own left out).
 - The quickstart's three methods (dense AdamW lr 1e-5, LoRA r=256 lr 1e-4, LoGRA) at their
-  defaults (``policy/step_kl`` on 8 stratified rows): how far each moves the policy per step,
+  defaults (``policy/step_kl`` on 4 stratified rows): how far each moves the policy per step,
   and what measuring it costs, ``perf/step_kl_s`` over the step's phases.
 
 Target (issue 41): step KL / budget within [0.67, 1.5] on at least 90% of steps, the probe
@@ -103,7 +103,7 @@ def render(result: dict) -> str:
     lines = ["# Does the KL budget bound the step on the batch? (SmolLM2-135M-Instruct, CPU)", "",
              "`policy/step_kl`: KL(before || after) over every trained position of the update, estimated by k3 at "
              "4 tokens per position drawn from the pre-step policy; on every row (`step_kl_rows: 0`) in the "
-             "probe comparisons, on 8 stratified rows (the default) in the cost rows.", "",
+             "probe comparisons, on 4 stratified rows (the default) in the cost rows.", "",
              "| run | median step KL | step KL / budget, per step | median | steps in [0.67, 1.5] | "
              "probe: share of a step | measuring step KL: share of a step |", "|---|---:|---|---:|---:|---:|---:|"]
     for name, run in result["runs"].items():

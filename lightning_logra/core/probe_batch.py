@@ -6,7 +6,7 @@ probe scores a few rows. ``reference`` (the authors') probes the first rows.
 ``stratified`` (ours, the default) sorts the rows by a key (GRPO: the advantage), cuts them
 into strata of about equal positions and probes one row drawn from each, weighted so that
 the weighted mean over its positions estimates the mean over all of them: a step's KL is
-concentrated in a few rows (in the quickstart one row of 32 held up to 58% of it, mostly
+concentrated in a few rows (in the quickstart one row of 32 held up to 61% of it, mostly
 rows of rare outcomes, whose advantage is largest), and the first rows of a batch are
 one prompt's, often of a group whose advantage is 0
 (``benchmarks/results/step_kl_rows.md``).

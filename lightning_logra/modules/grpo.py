@@ -47,7 +47,7 @@ from lightning_logra.rl.losses import NonFiniteRewards, RunningBaseline, group_a
 from lightning_logra.rl.metrics import PassTotals, PhaseClock, step_metrics
 from lightning_logra.rl.packing import check_packing
 from lightning_logra.rl.step import build_lr_schedule, build_optimizer, run_update
-from lightning_logra.rl.step_kl import draw_before_step, step_kl_sums
+from lightning_logra.rl.step_kl import completion_kl, draw_tokens, k3_sums
 from lightning_logra.rl.sampling import (
     ScoredRollouts,
     draw_prompts,
@@ -187,20 +187,22 @@ class GRPOModule(L.LightningModule):
         self.baseline = RunningBaseline(self.loss_config.baseline_weight, self.loss_config.failure_reward)
         self.val_pass_at_1 = MeanMetric()
         self.val_pass_at_n = MeanMetric()
+        self.val_kl_from_init = MeanMetric()
         self._engine = None
         self._empty_updates_in_a_row = 0
         self._warned_unscored = False
         self._low_rank_updates: list[list] = []
 
     def configure_model(self) -> None:
-        """Build the policy (and the KL reference when ``loss.kl_coef > 0``) once; later calls
+        """Build the policy (and the initial weights, frozen, when ``loss.kl_coef > 0`` or
+        ``logging.kl_from_init``) once; later calls
         (fit, then validate) keep them. Under a meta-device context (``logra_fsdp`` runs
         this hook in one) they are built empty and the strategy fills each rank's own rows
         from the model's safetensors files after sharding; elsewhere they load in full."""
         empty = torch.get_default_device().type == "meta"
         if self.policy is None:
             self.policy = self._load(empty=empty)
-        if self.reference is None and self.loss_config.kl_coef > 0:
+        if self.reference is None and (self.loss_config.kl_coef > 0 or self.logging.kl_from_init):
             self.reference = self._load(empty=empty, train=False)
             self.reference.requires_grad_(False)
 
@@ -255,7 +257,7 @@ class GRPOModule(L.LightningModule):
         if self.loss_config.mask_truncated:
             mask = mask & rollouts.ended_with_eos[:, None]
         rollout_batch = RolloutBatch(rollouts, mask, rollouts.rollout_logprobs[:, 1:], advantages)
-        if self.reference is not None:
+        if self.reference is not None and self.loss_config.kl_coef > 0:
             with torch.no_grad(), memory_phase("backward", BACKWARD_HINT):
                 rollout_batch.reference_logprobs = batch_logprobs(self.reference, input_ids, attention_mask,
                                                                   self._micro_batching)
@@ -299,7 +301,7 @@ class GRPOModule(L.LightningModule):
         lowrank = self.rollout_config.weight_sync == "lowrank"
         draw = None
         if self.logging.step_kl:
-            draw = draw_before_step(self.policy, batch, rows, self._micro_batching, count=self.logging.step_kl_rows,
+            draw = draw_tokens(self.policy, batch, rows, self._micro_batching, count=self.logging.step_kl_rows,
                                     generator=self._step_kl_generator(passes.updates))
             phases.lap("step_kl")
         update = run_update(self.policy, self.optimizers(), batch, rows, self._micro_batching,
@@ -319,7 +321,7 @@ class GRPOModule(L.LightningModule):
         self._empty_updates_in_a_row = 0
         phases.lap("optimizer_step")  # under logra_fsdp the whole LoGRA update, split further in perf/logra_*
         if draw is not None:
-            passes.add_step_kl(*step_kl_sums(self.policy, batch, draw, self._micro_batching))
+            passes.add_step_kl(*k3_sums(self.policy, batch, draw, self._micro_batching))
             if hasattr(self.policy, "reshard"):  # as for the reference: no backward follows this forward
                 self.policy.reshard()
             phases.lap("step_kl")
@@ -422,11 +424,20 @@ class GRPOModule(L.LightningModule):
         if self.logging.val_completions:
             scored = ScoredRollouts(rollouts, columns, scores, totals)
             self._val_tables.append(completion_table(scored, step=self.global_step, count=totals.numel()))
+        if self.logging.kl_from_init:
+            self._log_kl_from_init(rollouts, batch_idx)
         correct = (totals > 0).float().view(-1, n)
         self.val_pass_at_1.update(correct.mean(dim=1))
         self.val_pass_at_n.update(correct.amax(dim=1))  # unbiased pass@k with k = n
         self.log("val/pass_at_1", self.val_pass_at_1, on_epoch=True, prog_bar=True, batch_size=correct.shape[0])
         self.log(f"val/pass_at_{n}", self.val_pass_at_n, on_epoch=True, batch_size=correct.shape[0])
+
+    def _log_kl_from_init(self, rollouts: Rollouts, batch_idx: int) -> None:
+        """``val/kl_from_init`` over these validation samples' completion positions."""
+        generator = torch.Generator(device=self.device).manual_seed(sampling_seed(self.seed + 2, batch_idx, self.global_rank))
+        kl_sum, positions = completion_kl(self.policy, self.reference, rollouts, self._micro_batching, generator)
+        self.val_kl_from_init.update(kl_sum / positions.clamp(min=1), weight=positions)
+        self.log("val/kl_from_init", self.val_kl_from_init, on_epoch=True, batch_size=rollouts.input_ids.shape[0])
 
     def on_validation_epoch_start(self) -> None:
         self._val_tables = []  # nothing left over from an interrupted validation

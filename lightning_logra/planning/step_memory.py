@@ -53,8 +53,8 @@ class StepSettings:
     ``compute_dtype``: float32, or bfloat16 for ``bf16-mixed`` (autocast over float32
     master weights, as the strategies run it). ``cpu_optimizer``: AdamW's single-tensor
     loop (CPU) instead of its multi-tensor one (GPU), which allocates one temporary as
-    large as the whole sharded model. ``reference``: a KL reference model (``kl_coef > 0``),
-    held in the compute dtype. ``vllm_bytes``: memory reserved for a colocated vLLM engine
+    large as the whole sharded model. ``reference``: a KL reference model (``kl_coef > 0``,
+    or ``logging.kl_from_init``), held in the compute dtype. ``vllm_bytes``: memory reserved for a colocated vLLM engine
     (``gpu_memory_utilization`` x the device). ``probe_tokens``: LoGRA's probe rows x their
     tokens (default: ``probe_responses`` x ``min(probe_max_tokens, row_tokens)``).
     """

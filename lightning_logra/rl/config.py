@@ -212,9 +212,15 @@ class LoggingConfig:
     positions (what LoGRA's budget bounds), estimated on ``step_kl_rows`` rows by k3 at
     tokens freshly drawn from the pre-step policy (``rl.step_kl``); one no-grad forward over
     those rows before the step and one after."""
-    step_kl_rows: int = 8
+    step_kl_rows: int = 4
     """Rows per update (per rank) ``policy/step_kl`` is measured on, drawn stratified by
     advantage; 0: every row (exact up to the token draws, a forward over the whole batch)."""
+
+    kl_from_init: bool = False
+    """At every validation, ``val/kl_from_init``: KL(policy || initial policy) at the sampling
+    temperature, averaged over the validation completions' positions, estimated by k3 at 4
+    tokens per position drawn from the policy (``rl.step_kl``). Loads the initial weights
+    once more, frozen, as ``loss.kl_coef > 0`` does (shared with it when both are set)."""
 
     def __post_init__(self) -> None:
         check = FieldChecks.of(self)
@@ -223,6 +229,7 @@ class LoggingConfig:
         check.boolean("val_completions")
         check.boolean("step_kl")
         check.integer("step_kl_rows", at_least=0)
+        check.boolean("kl_from_init")
 
 
 # Plain dataclasses, safe to rebuild: checkpoints that hold them as hyper-parameters load

@@ -1,16 +1,18 @@
-"""``policy/step_kl``: how far one optimizer step moved the policy on its own batch.
+"""``policy/step_kl``: how far one optimizer step moved the policy on its own batch (and
+``val/kl_from_init``: how far training has moved it from the initial weights).
 
 The quantity is the one LoGRA's KL budget bounds: the mean, over every trained position of
 the update's rows, of KL(before || after) between the position's next-token distributions.
-Before the step, ``draw_before_step`` picks rows stratified by advantage (the stratified
+Before the step, ``draw_tokens`` picks rows stratified by advantage (the stratified
 probe's rule, ``stratified_rows``: a step's KL sits mostly in a few rows of rare outcomes)
 and draws ``SAMPLES`` tokens at each of their trained positions from the pre-step policy;
-after it, ``step_kl_sums`` scores those tokens again. k3 of their log-prob ratio is
+after it, ``k3_sums`` scores those tokens again. k3 of their log-prob ratio is
 unbiased for each position's KL because the tokens are fresh: k3 at the tokens the update
 was trained on, which it raised or lowered on purpose, over-stated the KL 1.5-5x on the
 quickstart (``benchmarks/results/step_kl_rows.md``). Two no-grad forwards over the drawn
 rows; with ``count=0`` every row is drawn (each stands for itself) and the estimate's only
-noise is the token draws'.
+noise is the token draws'. The same two functions measure KL(policy || initial policy) on
+validation samples: tokens drawn from the policy, scored by the frozen initial weights.
 """
 
 from __future__ import annotations
@@ -26,26 +28,27 @@ from lightning_logra.rl.batch import BACKWARD_HINT, MicroBatching, RolloutBatch
 from lightning_logra.rl.collectives import max_over_ranks
 from lightning_logra.rl.logprobs import logprobs_of, sampled_token_logprobs
 from lightning_logra.rl.losses import k3
+from lightning_logra.rollout.base import Rollouts
 
 SAMPLES = 4  # fresh tokens per position: the token draws' share of the error (see the metrics guide)
 
 
 @dataclass(frozen=True)
-class StepKLDraw:
+class TokenDraw:
     """The rows (indices into the batch), their weights (positions each trained position
-    stands for), and per trained position ``SAMPLES`` tokens drawn before the step with
-    their log-probs then (``len(rows) x (T-1) x SAMPLES``)."""
+    stands for), and per trained position ``SAMPLES`` tokens drawn from the model that drew
+    them with their log-probs under it (``len(rows) x (T-1) x SAMPLES``)."""
 
     rows: torch.Tensor
     weights: torch.Tensor
     tokens: torch.Tensor
-    before: torch.Tensor
+    logprobs: torch.Tensor
 
 
-def draw_before_step(policy: nn.Module, batch: RolloutBatch, rows: slice, settings: MicroBatching, *,
-                     count: int, generator: torch.Generator) -> StepKLDraw:
-    """At the pre-step weights: ``count`` rows of ``rows`` stratified by advantage (every
-    row when 0) and fresh tokens at their trained positions. Every rank must call it."""
+def draw_tokens(policy: nn.Module, batch: RolloutBatch, rows: slice, settings: MicroBatching, *,
+                     count: int, generator: torch.Generator) -> TokenDraw:
+    """``count`` rows of ``rows`` stratified by advantage (every row when 0), and tokens drawn
+    from ``policy`` at their trained positions (``batch.mask``). Every rank must call it."""
     mask = batch.mask[rows]
     positions = mask.sum(dim=1)
     if count == 0:
@@ -56,38 +59,55 @@ def draw_before_step(policy: nn.Module, batch: RolloutBatch, rows: slice, settin
     device = mask.device
     picked = torch.tensor(chosen, dtype=torch.long, device=device) + rows.start
     tokens = torch.zeros(len(chosen), mask.shape[1], SAMPLES, dtype=torch.long, device=device)
-    before = torch.zeros(tokens.shape, device=device)
-    draw = StepKLDraw(picked, torch.tensor(weights, dtype=torch.float64, device=device), tokens, before)
+    logprobs = torch.zeros(tokens.shape, device=device)
+    draw = TokenDraw(picked, torch.tensor(weights, dtype=torch.float64, device=device), tokens, logprobs)
     for part, (input_ids, attention_mask, _) in _forwards(batch, draw, settings.micro_batch_size):
         with memory_phase("backward", BACKWARD_HINT):
-            drawn, logprobs = sampled_token_logprobs(policy, input_ids, attention_mask, samples=SAMPLES,
-                                                     generator=generator, temperature=settings.temperature,
-                                                     chunk_size=settings.chunk_size)
+            drawn, drawn_logprobs = sampled_token_logprobs(policy, input_ids, attention_mask, samples=SAMPLES,
+                                                           generator=generator, temperature=settings.temperature,
+                                                           chunk_size=settings.chunk_size)
         if part is not None:
-            tokens[part], before[part] = drawn, logprobs
+            tokens[part], logprobs[part] = drawn, drawn_logprobs
     return draw
 
 
-def step_kl_sums(policy: nn.Module, batch: RolloutBatch, draw: StepKLDraw,
-                 settings: MicroBatching) -> tuple[torch.Tensor, torch.Tensor]:
-    """At the post-step weights: this rank's weighted sum over the drawn rows' trained
-    positions of the mean k3 of the fresh tokens, and the positions they stand for (the
-    update's trained positions on this rank, exactly, when rows were drawn stratified).
-    Every rank must call it."""
+def k3_sums(model: nn.Module, batch: RolloutBatch, draw: TokenDraw,
+            settings: MicroBatching) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(the drawing model || ``model``), as this rank's sum over the drawn rows' trained
+    positions, each weighted by its row's weight, of the mean k3 of the drawn tokens'
+    log-probs under ``model`` over the drawing model's; and the positions they stand for
+    (the rows' trained positions on this rank, exactly). Every rank must call it."""
     mask = batch.mask[draw.rows]
-    after = torch.zeros_like(draw.before)
+    scored = torch.zeros_like(draw.logprobs)
     for part, (input_ids, attention_mask, tokens) in _forwards(batch, draw, settings.micro_batch_size):
         with memory_phase("backward", BACKWARD_HINT):
-            logprobs = logprobs_of(policy, input_ids, attention_mask, tokens, temperature=settings.temperature,
+            logprobs = logprobs_of(model, input_ids, attention_mask, tokens, temperature=settings.temperature,
                                    chunk_size=settings.chunk_size)
         if part is not None:
-            after[part] = logprobs
-    per_position = k3((after - draw.before).double()).mean(dim=-1)
+            scored[part] = logprobs
+    per_position = k3((scored - draw.logprobs).double()).mean(dim=-1)
     weights = draw.weights[:, None]
     return (per_position * mask * weights).sum(), (mask * weights).sum()
 
 
-def _forwards(batch: RolloutBatch, draw: StepKLDraw, size: int):
+def completion_kl(policy: nn.Module, reference: nn.Module, rollouts: Rollouts, settings: MicroBatching,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(policy || reference) over every completion position of ``rollouts``, as this rank's
+    sum and positions (``k3_sums``; e.g. ``val/kl_from_init``). No gradient; each model is
+    resharded after (FSDP2: no backward follows). Every rank must call it."""
+    mask = rollouts.completion_mask[:, 1:].bool()
+    samples = RolloutBatch(rollouts, mask, rollouts.rollout_logprobs[:, 1:],
+                           torch.zeros(mask.shape[0], device=mask.device))
+    with torch.no_grad():
+        draw = draw_tokens(policy, samples, slice(0, mask.shape[0]), settings, count=0, generator=generator)
+        sums = k3_sums(reference, samples, draw, settings)
+    for model in (policy, reference):
+        if hasattr(model, "reshard"):
+            model.reshard()
+    return sums
+
+
+def _forwards(batch: RolloutBatch, draw: TokenDraw, size: int):
     """(slice of the drawn rows, their (input_ids, attention_mask, tokens)), ``size`` rows at a
     time; every rank runs as many forwards as the rank with the most (FSDP2): one with fewer
     runs the batch's first row, slice None (its result is dropped)."""

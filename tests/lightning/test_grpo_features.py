@@ -310,3 +310,19 @@ def test_packing_is_refused_at_the_start_of_fit_for_a_model_that_packs_wrongly(t
         fit_grpo(grpo_module(folder, batching=BatchingConfig(micro_batch_size=2, micro_batch_tokens=64)), folder, steps=1)
     trainer, _ = fit_grpo(grpo_module(folder), folder, steps=1)  # padded micro-batches train it
     assert trainer.global_step == 1
+
+
+def test_kl_from_init_is_zero_before_training_and_leaves_training_as_it_was(model_folder, tmp_path):
+    # Validation of the untrained policy: it is its initial weights, so exactly 0.
+    _, metrics = validate_logged(grpo_module(model_folder, logging=LoggingConfig(kl_from_init=True)), model_folder,
+                                 tmp_path, "kl_from_init")
+    assert metrics["val/kl_from_init"] == 0.0
+    # The frozen initial weights only measure: with kl_coef 0 the training loss never reads them.
+    with_kl, _ = fit_grpo(grpo_module(model_folder, logging=LoggingConfig(kl_from_init=True)), model_folder, steps=2)
+    without, _ = fit_grpo(grpo_module(model_folder), model_folder, steps=2)
+    assert with_kl.lightning_module.reference is not None and without.lightning_module.reference is None
+    assert all(torch.equal(a, b) for a, b in zip(with_kl.lightning_module.policy.parameters(),
+                                                  without.lightning_module.policy.parameters()))
+    # Trained, the policy has moved from its initial weights, and the validation says how far.
+    _, metrics = validate_logged(with_kl.lightning_module, model_folder, tmp_path, "trained")
+    assert metrics["val/kl_from_init"] > 0

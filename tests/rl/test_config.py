@@ -36,7 +36,7 @@ def test_defaults_are_unchanged():
     assert dataclasses.asdict(BatchingConfig()) == dict(
         micro_batch_size=4, micro_batch_tokens=None, num_iterations=1, mini_batches=1, logprob_chunk_positions=256)
     assert dataclasses.asdict(LoggingConfig()) == dict(
-        completions_every=0, completions_count=8, val_completions=False, step_kl=True, step_kl_rows=8)
+        completions_every=0, completions_count=8, val_completions=False, step_kl=True, step_kl_rows=4, kl_from_init=False)
 
 
 def test_a_nan_failure_reward_is_refused():

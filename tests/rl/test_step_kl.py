@@ -8,7 +8,7 @@ from lightning_logra.core.config import LoGRAConfig
 from lightning_logra.core.optimizer import LoGRAOptimizer
 from lightning_logra.rl.metrics import PassTotals
 from lightning_logra.rl.step import run_update
-from lightning_logra.rl.step_kl import SAMPLES, draw_before_step, step_kl_sums
+from lightning_logra.rl.step_kl import SAMPLES, completion_kl, draw_tokens, k3_sums
 from tests.helpers.models import tiny_qwen2
 from tests.helpers.rollouts import micro_batching, rollout_batch
 
@@ -69,8 +69,8 @@ def test_the_stratified_probe_holds_the_whole_batch_to_the_budget():
 def test_a_step_that_moves_nothing_measures_exactly_zero_over_all_trained_positions():
     model, batch, settings = tiny_qwen2(), rare_success_batch(0), micro_batching(size=3)
     for count in (0, 4):
-        draw = draw_before_step(model, batch, ROWS, settings, count=count, generator=torch.Generator().manual_seed(0))
-        k3_sum, positions = step_kl_sums(model, batch, draw, settings)
+        draw = draw_tokens(model, batch, ROWS, settings, count=count, generator=torch.Generator().manual_seed(0))
+        k3_sum, positions = k3_sums(model, batch, draw, settings)
         assert k3_sum.item() == 0.0
         # Drawn stratified, the rows' weights make them stand for every trained position.
         assert positions.item() == pytest.approx(batch.mask.sum().item(), rel=1e-12)
@@ -81,12 +81,12 @@ def test_the_estimate_is_k3_of_tokens_drawn_from_the_policy_before_the_step():
     batch, settings = rare_success_batch(1), micro_batching(size=5)
     moved = tiny_qwen2()
     before = exact_log_softmax(moved, batch)
-    draw = draw_before_step(moved, batch, ROWS, settings, count=0, generator=torch.Generator().manual_seed(3))
+    draw = draw_tokens(moved, batch, ROWS, settings, count=0, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         for parameter in moved.parameters():
             parameter.add_(torch.randn_like(parameter), alpha=0.05)
     after = exact_log_softmax(moved, batch)
-    k3_sum, positions = step_kl_sums(moved, batch, draw, settings)
+    k3_sum, positions = k3_sums(moved, batch, draw, settings)
     # Independently, from the full float64 distributions at the drawn tokens.
     tokens = draw.tokens[batch.mask[draw.rows]]
     log_ratio = after.gather(-1, tokens) - before.gather(-1, tokens)
@@ -95,23 +95,43 @@ def test_the_estimate_is_k3_of_tokens_drawn_from_the_policy_before_the_step():
     # float32 log-probs from a different batch shape: ~1e-6 per token.
     torch.testing.assert_close(k3_sum, want, rtol=1e-4, atol=1e-7)
     # And the draws follow the pre-step policy: the drawn tokens' log-probs are its own.
-    torch.testing.assert_close(draw.before[batch.mask[draw.rows]].double(), before.gather(-1, tokens), rtol=0, atol=1e-5)
+    torch.testing.assert_close(draw.logprobs[batch.mask[draw.rows]].double(), before.gather(-1, tokens), rtol=0, atol=1e-5)
 
 
 def test_its_mean_over_draws_is_the_exact_kl_of_the_step():
     batch, settings = rare_success_batch(2), micro_batching(size=8)
     moved = tiny_qwen2()
     before = exact_log_softmax(moved, batch)
-    draws = [draw_before_step(moved, batch, ROWS, settings, count=4, generator=torch.Generator().manual_seed(seed))
+    draws = [draw_tokens(moved, batch, ROWS, settings, count=4, generator=torch.Generator().manual_seed(seed))
              for seed in range(120)]
     with torch.no_grad():
         for parameter in moved.parameters():
             parameter.add_(torch.randn_like(parameter), alpha=0.05)
     exact = exact_step_kl(before, exact_log_softmax(moved, batch))
-    estimates = torch.tensor([(lambda s: (s[0] / s[1]).item())(step_kl_sums(moved, batch, draw, settings))
+    estimates = torch.tensor([(lambda s: (s[0] / s[1]).item())(k3_sums(moved, batch, draw, settings))
                               for draw in draws])
     # Unbiased: the mean of 120 independent estimates (4 of 16 rows, 4 tokens a position)
     # lies within 4 standard errors of the exact KL.
     standard_error = estimates.std() / len(estimates) ** 0.5
     assert abs(estimates.mean() - exact) < 4 * standard_error
     assert standard_error < 0.05 * exact  # and the check has the power to see a 20% bias
+
+
+def test_completion_kl_of_a_model_and_itself_is_exactly_zero_and_of_a_moved_one_its_k3():
+    batch, settings = rare_success_batch(3), micro_batching(size=4)
+    policy, initial = tiny_qwen2(), tiny_qwen2()
+    kl_sum, positions = completion_kl(policy, initial, batch.rollouts, settings, torch.Generator().manual_seed(0))
+    completion_positions = batch.rollouts.completion_mask[:, 1:].sum().item()
+    assert kl_sum.item() == 0.0 and positions.item() == completion_positions
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter.add_(torch.randn_like(parameter), alpha=0.05)
+    estimates = torch.tensor([(lambda s: (s[0] / s[1]).item())(
+        completion_kl(policy, initial, batch.rollouts, settings, torch.Generator().manual_seed(seed)))
+        for seed in range(40)])
+    # KL(policy || initial): tokens drawn from the moved policy, so its own distributions weigh them.
+    moved_batch = rare_success_batch(3)
+    moved_batch.mask = batch.rollouts.completion_mask[:, 1:].bool()
+    exact = exact_step_kl(exact_log_softmax(policy, moved_batch), exact_log_softmax(initial, moved_batch))
+    standard_error = estimates.std() / len(estimates) ** 0.5
+    assert abs(estimates.mean() - exact) < 4 * standard_error and standard_error < 0.05 * exact
