@@ -70,13 +70,15 @@ def measure(work: Path, names: list[str]) -> dict:
         if name not in BASELINES:
             keys += ["logra/budget", "logra/alpha", "logra/predicted_kl_scaled", "perf/logra_probe_s"]
         history = {key: dict(metric_history(database, run_name, key)) for key in keys}
-        runs[name] = {"config": config, "arguments": extra, "seconds": seconds, "history": history}
+        runs[name] = {"config": config, "arguments": extra, "seconds": seconds, "history": history,
+                      "code": code_version(), "command": command_line("step_kl"), "finished": machine_info()["date_utc"]}
         print("  " + summary_line(name, summarise(runs[name])), flush=True)
     return runs
 
 
 def summarise(run: dict) -> dict:
-    history = run["history"]
+    # Steps as ints: a JSON round trip turns them into strings, which sort wrongly.
+    history = {key: {int(step): value for step, value in values.items()} for key, values in run["history"].items()}
     steps = sorted(history["policy/step_kl"])
     step_seconds = {s: sum(history[f"perf/{phase}_s"].get(s, 0.0) for phase in PHASES) for s in steps}
     timed = steps[1:]
@@ -118,7 +120,9 @@ def render(result: dict) -> str:
     lines += ["", f"Targets: at least {100 * INSIDE_TARGET:.0f}% of steps in [{BAND[0]}, {BAND[1]}], the probe at most "
                   f"{100 * PROBE_LIMIT:.0f}% of a step, the default measurement at most {100 * MEASURE_LIMIT:.0f}% "
                   "(times: medians over steps 1+; a step is the sum of its phases, the measurement's own left out).",
-              f"{machine_line(result['machine'])}; command: `{result['command']}`. {code_line(result['code'])}"]
+              f"{machine_line(result['machine'])}. Runs, commits and commands:"]
+    for name, run in result["runs"].items():
+        lines.append(f"- {name}: {code_line(run['code'])} `{run['command']}`, finished {run['finished']}")
     return "\n".join(lines)
 
 
