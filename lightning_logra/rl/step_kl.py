@@ -46,16 +46,19 @@ class TokenDraw:
 
 
 def draw_tokens(policy: nn.Module, batch: RolloutBatch, rows: slice, settings: MicroBatching, *,
-                     count: int, generator: torch.Generator) -> TokenDraw:
+                count: int, generator: torch.Generator) -> TokenDraw:
     """``count`` rows of ``rows`` stratified by advantage (every row when 0), and tokens drawn
-    from ``policy`` at their trained positions (``batch.mask``). Every rank must call it."""
+    from ``policy`` at their trained positions (``batch.mask``); ``generator`` (on the
+    policy's device) draws the tokens, and seeds the rows' draw on the CPU. Every rank must
+    call it."""
     mask = batch.mask[rows]
     positions = mask.sum(dim=1)
     if count == 0:
         chosen = [row for row in range(mask.shape[0]) if positions[row] > 0]
         weights = [1.0] * len(chosen)
     else:
-        chosen, weights = stratified_rows(positions, positions.tolist(), batch.advantages[rows], count, generator)
+        rows_generator = torch.Generator().manual_seed(generator.initial_seed())
+        chosen, weights = stratified_rows(positions, positions.tolist(), batch.advantages[rows], count, rows_generator)
     device = mask.device
     picked = torch.tensor(chosen, dtype=torch.long, device=device) + rows.start
     tokens = torch.zeros(len(chosen), mask.shape[1], SAMPLES, dtype=torch.long, device=device)
