@@ -3,6 +3,7 @@
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -51,7 +52,8 @@ class PromptDataModule(LightningDataModule):
     ``conversational=True`` hands string prompts to the reward functions as one user message
     (TRL's conversational format), so that functions written for chat datasets (most of
     ``trl.rewards``) receive their completions as messages; the rendered text is the same.
-    ``"arithmetic:<max_digits>"`` sets the operands' digits of the built-in source (2 by default).
+    ``"arithmetic:<max_digits>"`` sets the operands' digits of the built-in source (2 by default),
+    ``"arithmetic:<max_digits>x<terms>"`` also how many operands (2 by default).
     ``"code:<level>"`` (1 by default, or 2) draws small Python functions to write, with
     hidden tests in a ``tests`` column for ``code_execution_reward`` (see ``code_rows``).
 
@@ -223,10 +225,12 @@ class PromptDataModule(LightningDataModule):
     def _build(self, split: str, source, hub_split: str, size: int) -> "PromptDataset":
         name = str(source)
         if name == "arithmetic" or name.startswith("arithmetic:"):
-            digits = name.partition(":")[2]
-            if digits and not digits.isdigit():
-                raise ValueError(f"{name!r}: write arithmetic:<max_digits>, e.g. arithmetic:1")
-            rows = arithmetic_rows(size, self.seed, split=split, max_digits=int(digits or 2))
+            spec = re.fullmatch(r"(?:([1-9]\d*)(?:x([2-9]|[1-9]\d+))?)?", name.partition(":")[2])
+            if spec is None:
+                raise ValueError(f"{name!r}: write arithmetic:<max_digits> or arithmetic:<max_digits>x<terms> "
+                                 "(terms >= 2), e.g. arithmetic:1 or arithmetic:1x3")
+            digits, terms = spec.groups()
+            rows = arithmetic_rows(size, self.seed, split=split, max_digits=int(digits or 2), terms=int(terms or 2))
         elif name == "code" or name.startswith("code:"):
             level = name.partition(":")[2]
             if level not in ("", "1", "2"):

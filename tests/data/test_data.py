@@ -299,8 +299,14 @@ def test_instruction_and_arithmetic_digits():
     prompts = data.datasets["train"].prompt_texts
     assert all(p.endswith("? Answer with just the number.") for p in prompts)
     assert all(len(token) == 1 for p in prompts for token in p.split("?")[0].split()[2::2])
-    with pytest.raises(ValueError, match="arithmetic:<max_digits>"):
-        PromptDataModule(train="arithmetic:x").setup("fit")
+    for bad in ("arithmetic:x", "arithmetic:1x", "arithmetic:1x1", "arithmetic:0", "arithmetic:two"):
+        with pytest.raises(ValueError, match="arithmetic:<max_digits>"):
+            PromptDataModule(train=bad).setup("fit")
+    # arithmetic:<max_digits>x<terms>: three one-digit operands.
+    data = PromptDataModule(train="arithmetic:1x3", batch_size=4, train_size=8)
+    data.setup("fit")
+    expressions = [p.split("?")[0].removeprefix("What is ").split() for p in data.datasets["train"].prompt_texts]
+    assert all(len(e) == 5 and all(len(e[i]) == 1 for i in (0, 2, 4)) for e in expressions)
 
 
 CHAT_PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
