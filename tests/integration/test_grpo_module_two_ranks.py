@@ -52,3 +52,23 @@ def test_one_validation_table_holds_both_ranks_samples(model_folder):
     prompt, reward = columns.index("prompt"), columns.index("reward")
     assert len(data) == 4 * 2 and len({row[prompt] for row in data}) == 4  # 2 prompts per rank x 2 samples
     assert pass0 == pass1 == pytest.approx(sum(row[reward] > 0 for row in data) / len(data), abs=1e-6)
+
+
+def _two_rank_kl_from_init(rank, world, folder):
+    grpo = grpo_module(folder, logging=LoggingConfig(kl_from_init=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8)),
+                            max_steps=1, val_check_interval=1, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        trainer.fit(grpo, prompt_data(folder))  # one step, then a validation
+    return float(trainer.callback_metrics["val/kl_from_init"])
+
+
+@pytest.mark.distributed
+def test_kl_from_init_on_two_ranks_with_a_sharded_initial_copy(model_folder):
+    # The policy and its frozen initial weights are both FSDP2-sharded; every rank runs as
+    # many forwards as the other, and the metric is the mean over both ranks' samples.
+    kl0, kl1 = run_lightning_on_two_ranks(_two_rank_kl_from_init, model_folder)
+    assert kl0 == kl1 > 0
