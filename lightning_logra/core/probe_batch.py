@@ -207,12 +207,13 @@ def stratified_rows(positions: torch.Tensor, usable: Sequence[int], keys: torch.
     summed over the drawn rows' usable positions, each times its row's weight, is then an
     unbiased estimate of the value's sum over every position of the batch, and the weights
     times the usable positions sum to exactly all positions. The variance shrinks as the
-    key sorts rows by their share of the sum. Empty when no row is usable."""
+    key sorts rows by their share of the sum. With no more usable rows than ``count``, every
+    one is drawn. Empty when no row is usable."""
     positions = positions.detach().cpu().double()
     order = torch.argsort(keys.detach().cpu(), stable=True).tolist()
     candidates = [row for row in order if usable[row] > 0]
-    if not candidates:
-        return [], []
+    if len(candidates) <= count:  # every row fits: each is its own stratum (the exact mean)
+        return candidates, [float(positions[row]) / float(usable[row]) for row in candidates]
     sizes = positions[candidates]
     starts = torch.cumsum(sizes, 0) - sizes
     strata = (starts * count / sizes.sum()).floor().long().clamp(max=count - 1).tolist()

@@ -302,7 +302,7 @@ class GRPOModule(L.LightningModule):
         draw = None
         if self.logging.step_kl:
             draw = draw_tokens(self.policy, batch, rows, self._micro_batching, count=self.logging.step_kl_rows,
-                                    generator=self._step_kl_generator(passes.updates))
+                               generator=self._step_kl_generator(passes.updates))
             phases.lap("step_kl")
         update = run_update(self.policy, self.optimizers(), batch, rows, self._micro_batching,
                             backward=self.manual_backward, passes=passes, world=self.trainer.world_size,
@@ -434,7 +434,8 @@ class GRPOModule(L.LightningModule):
 
     def _log_kl_from_init(self, rollouts: Rollouts, batch_idx: int) -> None:
         """``val/kl_from_init`` over these validation samples' completion positions."""
-        generator = torch.Generator(device=self.device).manual_seed(sampling_seed(self.seed + 2, batch_idx, self.global_rank))
+        seed = sampling_seed(self.seed + 2, batch_idx, self.global_rank)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         kl_sum, positions = completion_kl(self.policy, self.reference, rollouts, self._micro_batching, generator)
         self.val_kl_from_init.update(kl_sum / positions.clamp(min=1), weight=positions)
         self.log("val/kl_from_init", self.val_kl_from_init, on_epoch=True, batch_size=rollouts.input_ids.shape[0])

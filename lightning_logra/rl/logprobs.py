@@ -67,11 +67,7 @@ def token_logprobs(
 
 
 def _chunk_logprobs(hidden, weight, bias, targets, temperature, with_entropy):
-    # The head runs in the model's dtype (as in generation); the softmax runs in float32.
-    logits = F.linear(hidden, weight, bias).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = _chunk_log_softmax(hidden, weight, bias, temperature)
     entropy = -(logprobs.exp() * logprobs).sum(dim=-1) if with_entropy else None
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
@@ -195,7 +191,7 @@ def _padded_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dic
 
 
 def _chunk_log_softmax(hidden, weight, bias, temperature):
-    # As _chunk_logprobs: the head in the model's dtype, the softmax in float32.
+    # The head runs in the model's dtype (as in generation); the softmax runs in float32.
     logits = F.linear(hidden, weight, bias).float()
     return torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
 

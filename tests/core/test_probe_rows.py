@@ -61,6 +61,9 @@ def test_strata_follow_the_key_and_their_weights_stand_for_every_position():
     chosen, _ = stratified_rows(positions, [0, 6, 0, 8, 0, 0], keys, 3, torch.Generator().manual_seed(0))
     assert set(chosen) <= {1, 3}
     assert stratified_rows(positions, [0] * 6, keys, 3, torch.Generator()) == ([], [])
+    # No more usable rows than strata: every one is drawn, standing for its own positions.
+    chosen, weights = stratified_rows(torch.tensor([1.0, 100.0]), [1, 50], torch.tensor([0.0, 1.0]), 8, torch.Generator())
+    assert (chosen, weights) == ([0, 1], [1.0, 2.0])
 
 
 def test_the_weighted_sum_is_an_unbiased_estimate_of_the_batch_total():
