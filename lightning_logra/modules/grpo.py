@@ -187,7 +187,7 @@ class GRPOModule(L.LightningModule):
         self.baseline = RunningBaseline(self.loss_config.baseline_weight, self.loss_config.failure_reward)
         self.val_pass_at_1 = MeanMetric()
         self.val_pass_at_n = MeanMetric()
-        self.val_kl_from_init = MeanMetric()
+        self.val_kl_from_init = MeanMetric() if self.logging.kl_from_init else None
         self._engine = None
         self._empty_updates_in_a_row = 0
         self._warned_unscored = False
