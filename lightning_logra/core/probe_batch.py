@@ -20,9 +20,6 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-PROBE_SELECTIONS = ("stratified", "reference")
-
-
 @dataclass(frozen=True)
 class ProbeBatch:
     """Responses that were already generated, and which logit positions to score.
@@ -123,7 +120,6 @@ class ProbeBatch:
         if stop <= start:
             scored.zero_()
         return inputs, scored
-
 
     def packed_weights(self, rows: Sequence[int], max_tokens: int | None) -> torch.Tensor | None:
         """The float64 weight of each position of ``packed_inputs(rows, max_tokens)``'s scored

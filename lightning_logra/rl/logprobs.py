@@ -156,18 +156,20 @@ def sampled_token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_
     No gradient; left-padded rows are read as ``sequence_logprobs`` reads them."""
     _check_rows(input_ids, attention_mask)
 
+    tokens = []  # the draws, beside the model output that carries their log-probs
+
     def draw(hidden, weight, bias):
-        tokens, logprobs = [], []
+        logprobs = []
         for start in range(0, hidden.shape[0], chunk_size):
             log_p = _chunk_log_softmax(hidden[start : start + chunk_size], weight, bias, temperature)
             drawn = torch.multinomial(log_p.exp(), samples, replacement=True, generator=generator)
             tokens.append(drawn)
             logprobs.append(log_p.gather(-1, drawn))
-        return torch.stack([torch.cat(logprobs), torch.cat(tokens).double()], dim=-1)
+        return torch.cat(logprobs)
 
     with torch.no_grad():
-        flat = _head_in_forward(model, _padded_inputs(input_ids, attention_mask), None, _flat_head(draw))
-    return flat[..., 1].long(), flat[..., 0].float()
+        logprobs = _head_in_forward(model, _padded_inputs(input_ids, attention_mask), None, _flat_head(draw))
+    return torch.cat(tokens).view(logprobs.shape), logprobs
 
 
 def logprobs_of(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, tokens: torch.Tensor, *,
