@@ -1,11 +1,14 @@
-"""Intervals for RL quality results measured on several seeds, each on its own prompts.
+"""Intervals for RL quality results measured on several seeds.
 
 A result is a list of seeds, each a list of per-prompt values (a gain, or a paired
 difference of two methods on the same prompt). Prompts of one seed are not independent of
 that seed's run, so the bootstrap is two-level: draw the seeds with replacement, then, inside
 every drawn seed, its prompts with replacement; the statistic is the mean over the drawn
 seeds of their prompt means. Its percentile interval covers the run-to-run spread (seeds)
-and the prompt sample (prompts) together.
+and the prompt sample (prompts) together. Where every seed validates on the same prompts
+(a task with few of them), the prompts are one sample shared by the seeds: the crossed
+bootstrap draws the seeds and, once per resample, the prompts, the same for every seed.
+``t_interval`` is the interval over seeds alone (of each seed's prompt mean).
 """
 
 from __future__ import annotations
@@ -40,6 +43,35 @@ def bootstrap_interval(per_seed: list[list[float]], *, resamples: int = 10_000, 
     tail = (1 - level) / 2
     low, high = np.quantile(statistic, [tail, 1 - tail])
     return float(low), float(high)
+
+
+def crossed_bootstrap_interval(per_seed: list[list[float]], *, resamples: int = 10_000, level: float = 0.95,
+                               seed: int = 0) -> tuple[float, float]:
+    """The percentile bootstrap interval of ``seed_mean`` when every seed's values are on the
+    same prompts, in the same order: seeds and prompts drawn independently, crossed."""
+    values = np.asarray(per_seed, dtype=float)  # seeds x prompts
+    if values.ndim != 2 or 0 in values.shape:
+        raise ValueError("crossed_bootstrap_interval needs seeds with values on the same, non-empty list of prompts")
+    generator = np.random.default_rng(seed)
+    statistic = np.empty(resamples)
+    for index in range(resamples):
+        seeds = generator.integers(values.shape[0], size=values.shape[0])
+        prompts = generator.integers(values.shape[1], size=values.shape[1])
+        statistic[index] = values[np.ix_(seeds, prompts)].mean()
+    tail = (1 - level) / 2
+    low, high = np.quantile(statistic, [tail, 1 - tail])
+    return float(low), float(high)
+
+
+def t_interval(per_seed: list[list[float]], *, level: float = 0.95) -> tuple[float, float]:
+    """Student's t interval of ``seed_mean`` over the seeds' prompt means (n - 1 degrees of freedom)."""
+    from scipy import stats
+
+    means = [statistics.mean(values) for values in per_seed]
+    if len(means) < 2:
+        raise ValueError("t_interval needs at least two seeds")
+    half = stats.t.ppf((1 + level) / 2, len(means) - 1) * statistics.stdev(means) / len(means) ** 0.5
+    return statistics.mean(means) - half, statistics.mean(means) + half
 
 
 def first_reaching(curve: list[tuple[int, float, float]], threshold: float) -> tuple[int, float] | tuple[None, None]:

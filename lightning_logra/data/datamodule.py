@@ -53,7 +53,8 @@ class PromptDataModule(LightningDataModule):
     (TRL's conversational format), so that functions written for chat datasets (most of
     ``trl.rewards``) receive their completions as messages; the rendered text is the same.
     ``"arithmetic:<max_digits>"`` sets the operands' digits of the built-in source (2 by default),
-    ``"arithmetic:<max_digits>x<terms>"`` also how many operands (2 by default).
+    ``"arithmetic:<max_digits>x<terms>"`` also how many operands (2 by default); a trailing
+    ``+`` (``"arithmetic:2+"``) draws sums only.
     ``"code:<level>"`` (1 by default, or 2) draws small Python functions to write, with
     hidden tests in a ``tests`` column for ``code_execution_reward`` (see ``code_rows``).
 
@@ -225,12 +226,14 @@ class PromptDataModule(LightningDataModule):
     def _build(self, split: str, source, hub_split: str, size: int) -> "PromptDataset":
         name = str(source)
         if name == "arithmetic" or name.startswith("arithmetic:"):
-            spec = re.fullmatch(r"(?:([1-9]\d*)(?:x([2-9]|[1-9]\d+))?)?", name.partition(":")[2])
+            spec = re.fullmatch(r"(?:([1-9]\d*)(?:x([2-9]|[1-9]\d+))?(\+)?)?", name.partition(":")[2])
             if spec is None:
-                raise ValueError(f"{name!r}: write arithmetic:<max_digits> or arithmetic:<max_digits>x<terms> "
-                                 "(terms >= 2), e.g. arithmetic:1 or arithmetic:1x3")
-            digits, terms = spec.groups()
-            rows = arithmetic_rows(size, self.seed, split=split, max_digits=int(digits or 2), terms=int(terms or 2))
+                raise ValueError(f"{name!r}: write arithmetic:<max_digits>, arithmetic:<max_digits>x<terms> "
+                                 "(terms >= 2), either followed by + for sums only, e.g. arithmetic:1, "
+                                 "arithmetic:1x3 or arithmetic:2+")
+            digits, terms, sums = spec.groups()
+            rows = arithmetic_rows(size, self.seed, split=split, max_digits=int(digits or 2), terms=int(terms or 2),
+                                   signs="+" if sums else "+-")
         elif name == "code" or name.startswith("code:"):
             level = name.partition(":")[2]
             if level not in ("", "1", "2"):

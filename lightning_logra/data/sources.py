@@ -112,48 +112,55 @@ def validate_rows(rows: list, source: str, *, skip_invalid_rows: bool = False) -
 WHOLE_SPACE_LIMIT = 100_000
 
 
-def arithmetic_rows(n: int, seed: int, *, split: str = "train", terms: int = 2, max_digits: int = 2) -> list[dict]:
+ARITHMETIC_SIGNS = ("+-", "+")
+
+
+def arithmetic_rows(n: int, seed: int, *, split: str = "train", terms: int = 2, max_digits: int = 2,
+                    signs: str = "+-") -> list[dict]:
     """``n`` deterministic problems of ``split`` (``"train"`` or ``"val"``, see ``held_out``)
     like ``What is 37 - 8 + 12?`` with integer answers; the same for a (seed, split).
 
-    Operands have up to ``max_digits`` digits: the space has ``arithmetic_space_size``
-    problems, and a small one (one-digit operands: 200 problems) has few of each split, so
-    that rows repeat past them (with a warning; ``arithmetic_prompts`` lists the space).
+    Operands have up to ``max_digits`` digits and are joined by the ``signs`` (``"+-"``, or
+    ``"+"`` for sums only): the space has ``arithmetic_space_size`` problems, and a small one
+    (one-digit operands: 200 problems) has few of each split, so that rows repeat past them
+    (with a warning; ``arithmetic_prompts`` lists the space).
     """
-    if n < 0 or terms < 2 or max_digits < 1:
-        raise ValueError(f"need n >= 0, terms >= 2, max_digits >= 1; got n={n}, terms={terms}, max_digits={max_digits}")
-    task = f"arithmetic:{max_digits} ({terms} terms)"
+    if n < 0 or terms < 2 or max_digits < 1 or signs not in ARITHMETIC_SIGNS:
+        raise ValueError(f"need n >= 0, terms >= 2, max_digits >= 1, signs one of {ARITHMETIC_SIGNS}; got n={n}, "
+                         f"terms={terms}, max_digits={max_digits}, signs={signs!r}")
+    task = f"arithmetic:{max_digits} ({terms} terms{', sums' if signs == '+' else ''})"
     check_split(task, split)
     rng = random.Random(seed)
-    space = arithmetic_space_size(terms, max_digits)
+    space = arithmetic_space_size(terms, max_digits, signs)
     whole = space <= WHOLE_SPACE_LIMIT
     keys = rng.sample(range(space), space) if whole else (rng.randrange(space) for _ in range(draw_budget(n)))
-    candidates = (_arithmetic_row(key, terms, max_digits) for key in keys)
+    candidates = (_arithmetic_row(key, terms, max_digits, signs) for key in keys)
     return rows_of_split(task, split, n, candidates, exhaustive=whole)
 
 
-def arithmetic_space_size(terms: int, max_digits: int) -> int:
-    """The number of distinct problems: every operand from 0 to 10**max_digits - 1, every sign + or -."""
-    return 10 ** (max_digits * terms) * 2 ** (terms - 1)
+def arithmetic_space_size(terms: int, max_digits: int, signs: str = "+-") -> int:
+    """The number of distinct problems: every operand from 0 to 10**max_digits - 1, every sign of ``signs``."""
+    return 10 ** (max_digits * terms) * len(signs) ** (terms - 1)
 
 
-def arithmetic_prompts(terms: int, max_digits: int) -> list[str]:
+def arithmetic_prompts(terms: int, max_digits: int, signs: str = "+-") -> list[str]:
     """Every prompt of the space (for counting a small space's prompts per split)."""
-    space = arithmetic_space_size(terms, max_digits)
-    return [_arithmetic_row(key, terms, max_digits)["prompt"] for key in range(space)]
+    space = arithmetic_space_size(terms, max_digits, signs)
+    return [_arithmetic_row(key, terms, max_digits, signs)["prompt"] for key in range(space)]
 
 
-def _arithmetic_row(key: int, terms: int, max_digits: int) -> dict:
+def _arithmetic_row(key: int, terms: int, max_digits: int, signs: str) -> dict:
     """Problem number ``key`` of the space: its operands and signs are the key's digits in
-    base ``10**max_digits`` and 2."""
+    base ``10**max_digits`` and ``len(signs)``."""
     numbers = []
     for _ in range(terms):
         key, number = divmod(key, 10**max_digits)
         numbers.append(number)
-    signs = []
+    chosen = []
     for _ in range(terms - 1):
-        key, minus = divmod(key, 2)
-        signs.append("-" if minus else "+")
+        key, sign = divmod(key, len(signs))
+        chosen.append(signs[sign])
+    signs = chosen
     expression = str(numbers[0]) + "".join(f" {s} {x}" for s, x in zip(signs, numbers[1:]))
     total = numbers[0] + sum(x if s == "+" else -x for s, x in zip(signs, numbers[1:]))
     return {"prompt": f"What is {expression}?", "answer": str(total)}

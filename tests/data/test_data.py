@@ -307,6 +307,16 @@ def test_instruction_and_arithmetic_digits():
     data.setup("fit")
     expressions = [p.split("?")[0].removeprefix("What is ").split() for p in data.datasets["train"].prompt_texts]
     assert all(len(e) == 5 and all(len(e[i]) == 1 for i in (0, 2, 4)) for e in expressions)
+    # A trailing +: sums only, with answers equal to the sums.
+    data = PromptDataModule(train="arithmetic:2+", val="arithmetic:2+", batch_size=4, train_size=40, val_size=40)
+    data.setup("fit")
+    for split in ("train", "val"):
+        for row in data.datasets[split].columns:
+            left, sign, right = row["prompt"].removeprefix("What is ").removesuffix("?").split()
+            assert sign == "+" and int(row["answer"]) == int(left) + int(right) and max(len(left), len(right)) <= 2
+    for bad in ("arithmetic:2-", "arithmetic:+2", "arithmetic:2++"):
+        with pytest.raises(ValueError, match="followed by \\+ for sums only"):
+            PromptDataModule(train=bad).setup("fit")
 
 
 CHAT_PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]

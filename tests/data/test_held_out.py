@@ -85,6 +85,7 @@ def test_an_unknown_split_is_named():
 SMALL_SPACES = {
     "arithmetic:1": (lambda: arithmetic_prompts(terms=2, max_digits=1), 161, 39),
     "arithmetic:2": (lambda: arithmetic_prompts(terms=2, max_digits=2), 16041, 3959),
+    "arithmetic:2+": (lambda: arithmetic_prompts(terms=2, max_digits=2, signs="+"), 8003, 1997),
     "code:1": (lambda: code_prompts(1), 38, 8),
     "code:2": (lambda: code_prompts(2), 138, 39),
 }

@@ -1,0 +1,250 @@
+"""RL quality as a reward-vs-KL frontier: pass@1 on held-out prompts against the KL of the
+policy from its initial weights, per method, over a sweep of each method's step size.
+
+The third quality protocol (the first two, ``quality`` and ``quality_matched``, are kept
+as superseded: their validation prompts were in the training pools, and they matched one
+step-KL scalar per method). Fixed before measuring, in ``frontier_protocol``:
+
+1. **Tasks**: two-digit sums (``arithmetic:2+``; each seed validates on its own 64 of the
+   task's 1,997 validation prompts) and the built-in code task (``code:2``, its 39
+   validation prompts, shared by the seeds), both held out by construction; the model, batch
+   (4 prompts x 8 samples) and lengths are the quickstart configs'.
+2. **Methods and sweeps**: dense AdamW (constant lr), dense at the paper's recipe (warm-up
+   9 steps, cosine to 0.1x over 300), LoRA r=256 and LoGRA (constant budget): 4 step sizes
+   each, spanning 10x (``SWEEPS``), 5 seeds. A seed sets everything a run draws (prompt
+   order, validation prompts, samples, adapters, projections); all methods share it.
+3. **Runs**: 12 steps, validation every 4 on the seed's validation prompts x 4 samples
+   (full credit counts), logging ``val/kl_from_init`` (KL(policy || initial) per completion
+   token over the validation samples, k3-weighted estimate at tokens drawn from the policy:
+   ``rl.step_kl``) and each prompt's result; the untrained model is validated once per seed.
+4. **Report** (``frontier_report``): pass@1 against KL-from-init, steps and seconds per task
+   with seed bands; each method's gain at the fixed KL levels (``LEVELS``) on its frontier;
+   paired LoGRA - dense per prompt at each level, with a t-interval over seeds and a
+   bootstrap over seeds and prompts (two-level where seeds have their own prompts, crossed
+   where they share them). Target: LoGRA's gain >= 0.95 x dense's, or the paired interval
+   contains 0 and is at most 8 points wide.
+5. **Seconds** come from ``--timing``: every method's step timed alone, one after another
+   (nothing else running), so that sweep runs may run two at a time (``--jobs 2``, one
+   thread each) without their wall clocks entering the result.
+6. **Long runs** (``--long``): each method at its chosen step size (best mean final pass@1
+   over the seeds on ``addition``), seed 0, 300 steps, validation every 50.
+
+It runs in parts and resumes: every invocation adds the runs it is asked for to
+``frontier.json``, skipping those already there, saves after each, records its command and
+commit, and rewrites the .md and .png from everything measured so far::
+
+    python -m benchmarks.frontier --task addition --seeds 0 --jobs 2   # one part
+    python -m benchmarks.frontier --task code                          # everything of a task
+    python -m benchmarks.frontier --timing                             # seconds per step, alone
+    python -m benchmarks.frontier --long                               # the 300-step runs
+    python -m benchmarks.frontier --render benchmarks/results/frontier.json
+    python -m benchmarks.frontier --smoke --out /tmp/frontier          # every path on 2-step runs
+
+Run logs and MLflow stores stay in ``lightning_logs/frontier/<task>/<run>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .cli_runs import artifact_folder, fresh_work, mlflow_environment, run_logra, timed_metric_history
+from .harness import (argument_parser, check_smoke_out, code_version, command_line, load_json, machine_info, save_json,
+                      write_outputs)
+from .frontier_protocol import (LONG_SEED, LONG_STEPS, LONG_VAL_EVERY, METHODS, SEEDS, STEPS, SWEEPS, TASKS,
+                                TIMING_STEPS, VAL_EVERY, VAL_SAMPLES, chosen_value, config_of, method_overrides,
+                                setting)
+from .frontier_report import plot, render
+from .quality_matched import digest
+
+SMOKE = {"steps": 2, "val_every": 1, "val_size": 4, "long_steps": 2, "long_val_every": 2, "timing_steps": 3}
+
+
+class Runner:
+    """Runs ``logra`` for one task, each run in its own folder and MLflow store (so that runs
+    may go side by side), and reads back its curves and per-prompt validation results."""
+
+    def __init__(self, task: str, smoke: dict, threads: int | None) -> None:
+        self.task, self.smoke, self.threads = task, smoke, threads
+        self.val_size = smoke.get("val_size", TASKS[task]["val_size"])
+        self.root = fresh_work(f"frontier{'_smoke' if smoke else ''}/{task}")
+
+    def arguments(self, seed: int, name: str, work: Path) -> list[str]:
+        return [f"--seed_everything={seed}", f"--model.init_args.seed={seed}", f"--data.init_args.seed={seed}",
+                f"--data.init_args.val_size={self.val_size}", "--data.init_args.val_batch_size=16",
+                "--model.init_args.logging.val_completions=true", "--trainer.logger.init_args.experiment_name=frontier",
+                f"--trainer.logger.init_args.artifact_location={work / 'artifacts'}",
+                f"--trainer.logger.init_args.run_name={name}", f"--trainer.default_root_dir={work}",
+                *TASKS[self.task]["overrides"]]
+
+    def launch(self, command: list[str], name: str) -> tuple[Path, float]:
+        work = self.root / name
+        work.mkdir(parents=True, exist_ok=True)
+        environment = mlflow_environment(work)
+        if self.threads is not None:
+            environment["OMP_NUM_THREADS"] = str(self.threads)
+        seconds = run_logra(command, environment, work / "run.log")
+        return work, seconds
+
+    def untrained(self, seed: int) -> dict:
+        name = f"{self.task}-untrained-seed{seed}"
+        command = ["validate", "-c", config_of(self.task, "dense"), *self.arguments(seed, name, self.root / name)]
+        work, seconds = self.launch(command, name)
+        validation = validations(work, name, with_kl=False)[0]
+        print(f"{name}: pass@1 {validation['pass_at_1']:.3f} ({seconds:.0f} s)", flush=True)
+        return {"task": self.task, "seed": seed, "seconds": seconds, **validation}
+
+    def train(self, method: str, value: float, seed: int, kind: str = "sweep") -> dict:
+        steps, val_every = {"sweep": (self.smoke.get("steps", STEPS), self.smoke.get("val_every", VAL_EVERY)),
+                            "long": (self.smoke.get("long_steps", LONG_STEPS), self.smoke.get("long_val_every", LONG_VAL_EVERY)),
+                            "timing": (self.smoke.get("timing_steps", TIMING_STEPS), None)}[kind]
+        name = f"{self.task}-{kind}-{method}-{setting(method, value)}-seed{seed}"
+        command = ["fit", "-c", config_of(self.task, method), *self.arguments(seed, name, self.root / name),
+                   f"--trainer.max_steps={steps}", *method_overrides(self.task, method, value)]
+        if val_every is None:
+            command += ["--trainer.limit_val_batches=0", "--model.init_args.logging.val_completions=false"]
+        else:
+            command += [f"--trainer.val_check_interval={val_every}", "--model.init_args.logging.kl_from_init=true"]
+        if method == "logra":  # its random projections are seeded too; the budget is constant
+            command += [f"--trainer.strategy.init_args.logra.schedule_steps={steps}",
+                        f"--trainer.strategy.init_args.logra.seed={42 + seed}"]
+        work, seconds = self.launch(command, name)
+        database = work / "mlflow.db"
+        record = {"task": self.task, "kind": kind, "method": method, "value": value, "setting": setting(method, value),
+                  "seed": seed, "steps": steps, "seconds": seconds, "threads": self.threads,
+                  "reward_mean": timed_metric_history(database, name, "reward/mean"),
+                  "step_kl": timed_metric_history(database, name, "policy/step_kl")}
+        if val_every is None:
+            clock = [c for _, _, c in record["reward_mean"]]
+            record["step_s"] = statistics.median(b - a for a, b in zip(clock[1:], clock[2:]))  # the first step warms up
+            print(f"{name}: {record['step_s']:.2f} s per step", flush=True)
+            return record
+        record["validations"] = validations(work, name, with_kl=True)
+        curve = " ".join(f"{v['pass_at_1']:.3f}" for v in record["validations"])
+        print(f"{name}: pass@1 {curve}, KL from init "
+              f"{record['validations'][-1]['kl_from_init']:.2e} ({seconds:.0f} s)", flush=True)
+        return record
+
+
+def validations(work: Path, name: str, *, with_kl: bool) -> list[dict]:
+    """Each validation's prompts (digest), per-prompt correct counts (full credit) and, for a
+    fit, ``val/kl_from_init``, from the run's ``val_completions`` tables and MLflow."""
+    database = work / "mlflow.db"
+    folder = artifact_folder(database, name) / "val_completions"
+    results = []
+    for path in sorted(folder.glob("step_*.json"), key=lambda p: int(p.stem.removeprefix("step_"))):
+        table = json.loads(path.read_text())
+        prompt, reward = table["columns"].index("prompt"), table["columns"].index("reward")
+        rows = table["data"]
+        if len(rows) % VAL_SAMPLES:
+            raise SystemExit(f"{path}: {len(rows)} samples is not a multiple of {VAL_SAMPLES} per prompt")
+        groups = [rows[start:start + VAL_SAMPLES] for start in range(0, len(rows), VAL_SAMPLES)]
+        prompts = [group[0][prompt] for group in groups]
+        correct = [sum(row[reward] >= 1.0 for row in group) for group in groups]
+        results.append({"step": int(path.stem.removeprefix("step_")), "prompts_digest": digest(prompts),
+                        "correct": correct, "pass_at_1": sum(correct) / (VAL_SAMPLES * len(correct))})
+    if not results:
+        raise SystemExit(f"run {name!r} logged no val_completions tables under {folder}")
+    if with_kl:
+        logged = timed_metric_history(database, name, "val/kl_from_init")
+        if len(logged) != len(results):
+            raise SystemExit(f"run {name!r}: {len(logged)} val/kl_from_init values but {len(results)} tables")
+        for validation, (_, kl, clock) in zip(results, logged):
+            validation["kl_from_init"], validation["clock_s"] = kl, clock
+    return results
+
+
+class Protocol:
+    """Adds runs to ``result``, saving after each, up to ``jobs`` at a time."""
+
+    def __init__(self, result: dict, path: Path, jobs: int) -> None:
+        self.result, self.path, self.jobs = result, path, jobs
+        self.lock = threading.Lock()
+
+    def add(self, key: str, record: dict) -> None:
+        with self.lock:
+            self.result[key].append(record)
+            save_json(self.path, self.result)
+
+    def has(self, task: str, kind: str, method: str, value: float, seed: int) -> bool:
+        return any(r["task"] == task and r["kind"] == kind and r["method"] == method and r["value"] == value
+                   and r["seed"] == seed for r in self.result["runs"])
+
+    def untrained(self, runner: Runner, seeds: list[int]) -> None:
+        missing = [s for s in seeds if not any(u["task"] == runner.task and u["seed"] == s for u in self.result["untrained"])]
+        self.parallel([lambda seed=seed: self.add("untrained", runner.untrained(seed)) for seed in missing])
+
+    def train(self, runner: Runner, runs: list[tuple[str, float, int]], kind: str) -> None:
+        untrained = {u["seed"]: u for u in self.result["untrained"] if u["task"] == runner.task}
+
+        def one(method: str, value: float, seed: int) -> None:
+            record = runner.train(method, value, seed, kind)
+            if any(v["prompts_digest"] != untrained[seed]["prompts_digest"] for v in record.get("validations", [])):
+                raise SystemExit(f"{runner.task} seed {seed}: {method} validated on other prompts than the untrained model")
+            self.add("runs", record)
+
+        todo = [run for run in runs if not self.has(runner.task, kind, *run)]
+        self.parallel([lambda run=run: one(*run) for run in todo])
+
+    def parallel(self, work: list) -> None:
+        with ThreadPoolExecutor(self.jobs) as pool:
+            for future in [pool.submit(job) for job in work]:
+                future.result()  # a failed run stops the part, after the runs under way finish
+
+
+def main() -> None:
+    parser = argument_parser(__doc__)
+    parser.add_argument("--task", choices=sorted(TASKS), help="the task whose sweep runs to add (default: both)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
+    parser.add_argument("--jobs", type=int, default=1, help="runs side by side, one thread each when more than 1")
+    parser.add_argument("--timing", action="store_true", help="time every method's step, alone, one after another")
+    parser.add_argument("--long", action="store_true", help="the 300-step run of each method at its chosen step size")
+    parser.add_argument("--smoke", action="store_true", help="2-step runs on 4 validation prompts: every path, no measurement")
+    args = parser.parse_args()
+    check_smoke_out(parser, args)
+    stem = args.out / "frontier"
+    if args.render:
+        write_outputs(stem, load_json(args.render), render, plot)
+        return
+    if args.timing and args.jobs != 1:
+        parser.error("--timing times each step alone: --jobs 1")
+    path = stem.with_suffix(".json")
+    result = load_json(path) if path.exists() else {"untrained": [], "runs": [], "parts": [], "smoke": args.smoke}
+    if result["smoke"] != args.smoke:
+        parser.error(f"{path} holds {'smoke' if result['smoke'] else 'measured'} runs; --out elsewhere")
+    smoke = SMOKE if args.smoke else {}
+    seeds = [LONG_SEED] if args.long else ([0] if args.smoke else args.seeds)
+    part = {"command": command_line("frontier"), "machine": machine_info(), "code": code_version(),
+            "load_before": os.getloadavg()}
+    protocol = Protocol(result, path, args.jobs)
+    started = time.perf_counter()
+    tasks = ["addition"] if args.long else [args.task] if args.task else list(TASKS)  # long runs: addition only
+    for task in tasks:
+        runner = Runner(task, smoke, threads=1 if args.jobs > 1 else None)
+        if args.timing:
+            protocol.train(runner, [(m, SWEEPS[m][1], 0) for m in args.methods], "timing")
+            continue
+        protocol.untrained(runner, seeds)
+        if args.long:
+            chosen = {m: (SWEEPS[m][1] if args.smoke else chosen_value(result, "addition", m)) for m in args.methods}
+            if None in chosen.values():
+                parser.error(f"--long needs every sweep run of addition first; missing for "
+                             f"{[m for m, v in chosen.items() if v is None]}")
+            protocol.train(runner, [(m, chosen[m], LONG_SEED) for m in args.methods], "long")
+            continue
+        sweep = [(m, v, s) for s in seeds for m in args.methods for v in (SWEEPS[m][1:2] if args.smoke else SWEEPS[m])]
+        protocol.train(runner, sweep, "sweep")
+    part["runtime_s"], part["load_after"] = time.perf_counter() - started, os.getloadavg()
+    result["parts"].append(part)
+    save_json(path, result)
+    write_outputs(stem, result, render, plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""What ``frontier`` reports, per task: each method's frontier at the KL levels (gain over the
+untrained model, with intervals), the paired differences there, the sweep runs and the long
+runs (``summarise``), as Markdown (``render``) and plots with seed bands (``plot``). The
+protocol and the frontier arithmetic are ``frontier_protocol``'s."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from .frontier_protocol import (LABELS, LEVELS, METHODS, PAIRS, SWEEPS, TARGETS, TASKS, VAL_SAMPLES, chosen_value,
+                                frontier_point, runs_of, untrained_of)
+from .harness import code_line, cpu_caption, machine_line, pyplot, save_figure
+from .paired_stats import bootstrap_interval, crossed_bootstrap_interval, seed_mean, t_interval
+
+COLOURS = {"dense": "tab:blue", "dense_paper": "tab:purple", "lora": "tab:orange", "logra": "tab:green"}
+
+
+def complete_seeds(result: dict, task: str) -> list[int]:
+    """The seeds with an untrained validation and every sweep run of every method: the
+    frontiers are compared on these (all 5 once the protocol is in)."""
+    seeds = sorted(untrained_of(result, task))
+    return [s for s in seeds if all(any(r["seed"] == s for r in runs_of(result, task, m, v))
+                                    for m in METHODS for v in SWEEPS[m])]
+
+
+def shared_prompts(result: dict, task: str, seeds: list[int]) -> bool:
+    untrained = untrained_of(result, task)
+    return len({untrained[s]["prompts_digest"] for s in seeds}) == 1
+
+
+def interval(per_seed: list[list[float]], crossed: bool) -> tuple[float, float]:
+    return (crossed_bootstrap_interval if crossed else bootstrap_interval)(per_seed)
+
+
+def summarise(result: dict, task: str) -> dict:
+    seeds = complete_seeds(result, task)
+    untrained = untrained_of(result, task)
+    crossed = len(seeds) > 1 and shared_prompts(result, task, seeds)
+    base = {s: [c / VAL_SAMPLES for c in untrained[s]["correct"]] for s in seeds}
+    levels = {}
+    for level in LEVELS if seeds else ():
+        points = {m: frontier_point(result, task, m, level, seeds) for m in METHODS}
+        methods = {}
+        for method, point in points.items():
+            if point is None:
+                continue
+            gains = [[v - b for v, b in zip(values, base[s])] for s, values in zip(seeds, point["per_seed"])]
+            methods[method] = {"value": point["value"], "pass_at_1": point["pass_at_1"],
+                               "gain_points": 100 * seed_mean(gains),
+                               "gain_interval_points": [100 * x for x in interval(gains, crossed)]}
+        pairs = {}
+        for first, second in PAIRS:
+            if points[first] is None or points[second] is None:
+                continue
+            differences = [[a - b for a, b in zip(x, y)] for x, y in zip(points[first]["per_seed"], points[second]["per_seed"])]
+            low, high = (100 * x for x in interval(differences, crossed))
+            t_low, t_high = (100 * x for x in t_interval(differences)) if len(seeds) > 1 else (None, None)
+            gain_first, gain_second = methods[first]["gain_points"], methods[second]["gain_points"]
+            ratio = gain_first / gain_second if gain_second > 0 else None
+            pairs[f"{first}-{second}"] = {
+                "difference_points": 100 * seed_mean(differences), "bootstrap_points": [low, high],
+                "t_points": [t_low, t_high], "gain_ratio": ratio,
+                "met": (ratio is not None and ratio >= TARGETS["gain_ratio"])
+                       or (low <= 0 <= high and high - low <= TARGETS["interval_width_points"])}
+        if methods:
+            levels[level] = {"methods": methods, "pairs": pairs}
+    sweep = []
+    for method in METHODS:
+        for value in SWEEPS[method]:
+            runs = [r for r in runs_of(result, task, method, value) if r["seed"] in seeds] or runs_of(result, task, method, value)
+            if runs:
+                sweep.append({"method": method, "setting": runs[0]["setting"], "seeds": [r["seed"] for r in runs],
+                              "final_pass_at_1": statistics.mean(r["validations"][-1]["pass_at_1"] for r in runs),
+                              "final_kl_from_init": statistics.median(r["validations"][-1]["kl_from_init"] for r in runs),
+                              "median_step_kl": statistics.median(v for r in runs for _, v, _ in r["step_kl"]),
+                              "median_run_s": statistics.median(r["seconds"] for r in runs)})
+    timing = {r["method"]: r["step_s"] for r in result["runs"] if r["task"] == task and r["kind"] == "timing"}
+    seconds = sum(r["seconds"] for r in result["runs"] if r["task"] == task) + sum(u["seconds"] for u in untrained.values())
+    return {"seeds": seeds, "crossed": crossed, "levels": levels, "sweep": sweep, "timing": timing,
+            "chosen": {m: chosen_value(result, task, m, seeds) if seeds else None for m in METHODS},
+            "machine_seconds": seconds}
+
+
+# Outputs ------------------------------------------------------------------------------------
+def points(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.1f}"
+
+
+def render(result: dict) -> str:
+    lines = []
+    if result.get("smoke"):
+        lines += ["**Smoke run (2-step runs, 4 validation prompts): no figure here is a measurement.**", ""]
+    total = 0.0
+    for task in TASKS:
+        if not untrained_of(result, task):
+            continue
+        summary = summarise(result, task)
+        total += summary["machine_seconds"]
+        untrained = ", ".join(f"seed {s} {u['pass_at_1']:.3f}" for s, u in sorted(untrained_of(result, task).items()))
+        lines += [f"### {task}: {TASKS[task]['source']}", "", f"Untrained pass@1: {untrained}.", "",
+                  f"Seeds with every sweep run: {', '.join(map(str, summary['seeds'])) or 'none yet'}"
+                  + (" (they share their validation prompts: crossed bootstrap)." if summary["crossed"] else "."), "",
+                  "| method | setting | seeds | final pass@1 (mean) | KL from init, final (median) | step KL (median) | run s (median) |",
+                  "|---|---|---|---:|---:|---:|---:|"]
+        lines += [f"| {LABELS[s['method']]} | {s['setting']} | {', '.join(map(str, s['seeds']))} | "
+                  f"{s['final_pass_at_1']:.3f} | {s['final_kl_from_init']:.2e} | {s['median_step_kl']:.2e} | "
+                  f"{s['median_run_s']:.0f} |" for s in summary["sweep"]]
+        if summary["levels"]:
+            lines += ["", "Gain over the untrained model on each method's frontier (points of pass@1, [95% bootstrap]), "
+                          "and the step size it takes there:", "",
+                      "| KL from init | " + " | ".join(LABELS[m] for m in METHODS) + " |",
+                      "|---:|" + "---|" * len(METHODS)]
+            for level, entry in summary["levels"].items():
+                cells = []
+                for method in METHODS:
+                    m = entry["methods"].get(method)
+                    cells.append("not reached" if m is None else
+                                 f"{m['gain_points']:+.1f} [{m['gain_interval_points'][0]:+.1f}, "
+                                 f"{m['gain_interval_points'][1]:+.1f}] at {m['value']:.3g}")
+                lines.append(f"| {level:g} | " + " | ".join(cells) + " |")
+            lines += ["", "Paired differences at equal KL from init (points; t over seeds, bootstrap over seeds and "
+                          "prompts); target: gain ratio >= 0.95, or the interval contains 0 and is at most 8 points wide:", "",
+                      "| KL from init | pair | difference | t interval | bootstrap | gain ratio | target |",
+                      "|---:|---|---:|---|---|---:|---|"]
+            for level, entry in summary["levels"].items():
+                for name, pair in entry["pairs"].items():
+                    first, second = name.split("-")
+                    t_low, t_high = pair["t_points"]
+                    low, high = pair["bootstrap_points"]
+                    ratio = "n/a" if pair["gain_ratio"] is None else f"{pair['gain_ratio']:.2f}"
+                    verdict = "met" if pair["met"] else "missed"
+                    if len(summary["seeds"]) < 5:
+                        verdict += f" (on {len(summary['seeds'])} seeds; judged on 5)"
+                    lines.append(f"| {level:g} | {LABELS[first]} - {LABELS[second]} | {pair['difference_points']:+.1f} | "
+                                 f"[{points(t_low)}, {points(t_high)}] | [{low:+.1f}, {high:+.1f}] | {ratio} | {verdict} |")
+        if summary["timing"]:
+            lines += ["", "Seconds per step, each method alone (`--timing`): "
+                      + ", ".join(f"{LABELS[m]} {s:.2f}" for m, s in summary["timing"].items()) + "."]
+        lines += ["", f"Machine time of this task so far: {summary['machine_seconds'] / 3600:.2f} h.", ""]
+    long_runs = [r for r in result["runs"] if r["kind"] == "long"]
+    if long_runs:
+        lines += ["### Long runs (addition, seed 0)", "", "| method | setting | steps | pass@1 by validation | KL from init, final | run s |",
+                  "|---|---|---:|---|---:|---:|"]
+        for r in long_runs:
+            curve = " ".join(f"{v['pass_at_1']:.2f}" for v in r["validations"])
+            lines.append(f"| {LABELS[r['method']]} | {r['setting']} | {r['steps']} | {curve} | "
+                         f"{r['validations'][-1]['kl_from_init']:.2e} | {r['seconds']:.0f} |")
+        total += sum(r["seconds"] for r in long_runs)
+        lines.append("")
+    lines += [f"Machine time so far: {total / 3600:.2f} h (target at most {TARGETS['machine_hours']:g} h in all; runs "
+              "side by side count their own wall clock each)."]
+    lines += ["", "Parts: " + "; ".join(f"`{p['command']}` ({code_line(p['code'])} {machine_line(p['machine'])})"
+                                        for p in result["parts"]) + "."]
+    return "\n".join(lines)
+
+
+def mean_curve(runs: list[dict], x) -> tuple[list[float], list[float], list[float], list[float]]:
+    """x, mean, min and max over the runs of pass@1 at each validation (runs of equal length)."""
+    count = min(len(r["validations"]) for r in runs)
+    xs = [statistics.mean(x(r, i) for r in runs) for i in range(count)]
+    ys = [[r["validations"][i]["pass_at_1"] for r in runs] for i in range(count)]
+    return xs, [statistics.mean(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
+
+
+def plot(result: dict, path: Path) -> None:
+    plt = pyplot()
+    tasks = [t for t in TASKS if untrained_of(result, t)]
+    rows = len(tasks) + bool([r for r in result["runs"] if r["kind"] == "long"])
+    figure, axes = plt.subplots(max(rows, 1), 3, figsize=(17, 4.2 * max(rows, 1)), squeeze=False)
+    for row, task in zip(axes, tasks):
+        summary = summarise(result, task)
+        seeds = summary["seeds"] or sorted(untrained_of(result, task))
+        untrained = statistics.mean(untrained_of(result, task)[s]["pass_at_1"] for s in seeds)
+        for method in METHODS:
+            colour = COLOURS[method]
+            for value in SWEEPS[method]:  # every step size's path, mean over seeds
+                runs = [r for r in runs_of(result, task, method, value) if r["seed"] in seeds]
+                if runs:
+                    xs, ys, _, _ = mean_curve(runs, lambda r, i: r["validations"][i]["kl_from_init"])
+                    row[0].plot(xs, ys, color=colour, alpha=0.35, marker=".", linewidth=0.8)
+            frontier = [(level, entry["methods"][method]) for level, entry in summary["levels"].items()
+                        if method in entry["methods"]]
+            if frontier:
+                row[0].errorbar([level for level, _ in frontier], [untrained + m["gain_points"] / 100 for _, m in frontier],
+                                yerr=[[(m["gain_points"] - m["gain_interval_points"][0]) / 100 for _, m in frontier],
+                                      [(m["gain_interval_points"][1] - m["gain_points"]) / 100 for _, m in frontier]],
+                                color=colour, marker="o", capsize=3, label=f"{LABELS[method]} frontier")
+            chosen = summary["chosen"].get(method) or SWEEPS[method][1]
+            runs = [r for r in runs_of(result, task, method, chosen) if r["seed"] in seeds]
+            if not runs:
+                continue
+            label = f"{LABELS[method]} {runs[0]['setting']} ({len(runs)} seeds)"
+            xs, ys, low, high = mean_curve(runs, lambda r, i: r["validations"][i]["step"])
+            row[1].plot([0, *xs], [untrained, *ys], color=colour, marker="o", label=label)
+            row[1].fill_between(xs, low, high, color=colour, alpha=0.15)
+            if method in summary["timing"]:
+                seconds = [x * summary["timing"][method] for x in xs]
+                row[2].plot([0, *seconds], [untrained, *ys], color=colour, marker="o", label=label)
+                row[2].fill_between(seconds, low, high, color=colour, alpha=0.15)
+        row[0].set_xscale("log")
+        row[0].set(xlabel="KL(policy || initial) per completion token", ylabel=f"{task}: validation pass@1")
+        row[1].set(xlabel="step", ylabel="validation pass@1 (best final step size)")
+        row[2].set(xlabel="seconds of training (steps x each method's seconds per step, timed alone)",
+                   ylabel="validation pass@1")
+        if not summary["timing"]:
+            row[2].set_title("no --timing part yet", fontsize=9)
+        for axis in row:
+            axis.axhline(untrained, color="grey", linestyle=":", linewidth=0.8)
+        row[0].legend(fontsize=7)
+        row[1].legend(fontsize=7)
+    long_runs = [r for r in result["runs"] if r["kind"] == "long"]
+    if long_runs:
+        row = axes[len(tasks)]
+        for run in long_runs:
+            colour, label = COLOURS[run["method"]], f"{LABELS[run['method']]} {run['setting']}"
+            row[0].plot([s for s, _, _ in run["reward_mean"]], [v for _, v, _ in run["reward_mean"]], color=colour,
+                        alpha=0.7, linewidth=0.8, label=label)
+            row[1].plot([v["step"] for v in run["validations"]], [v["pass_at_1"] for v in run["validations"]],
+                        color=colour, marker="o", label=label)
+            row[2].plot([v["step"] for v in run["validations"]], [v["kl_from_init"] for v in run["validations"]],
+                        color=colour, marker="o", label=label)
+        row[0].set(xlabel="step", ylabel="long runs: training reward")
+        row[1].set(xlabel="step", ylabel="validation pass@1")
+        row[2].set(xlabel="step", ylabel="KL from init", yscale="log")
+        row[0].legend(fontsize=7)
+    save_figure(figure, path, "GRPO, SmolLM2-135M-Instruct, reward-vs-KL frontier: faint lines = each step size "
+                              "(mean over seeds), dots = the frontier at fixed KL [95% bootstrap], bands = seeds' range - "
+                              f"{cpu_caption(result['parts'][-1]['machine']) if result['parts'] else ''}")
