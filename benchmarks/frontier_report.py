@@ -178,7 +178,9 @@ def plot(result: dict, path: Path) -> None:
                 runs = [r for r in runs_of(result, task, method, value) if r["seed"] in seeds]
                 if runs:
                     xs, ys, _, _ = mean_curve(runs, lambda r, i: r["validations"][i]["kl_from_init"])
-                    row[0].plot(xs, ys, color=colour, alpha=0.35, marker=".", linewidth=0.8)
+                    first = value == SWEEPS[method][0]
+                    row[0].plot(xs, ys, color=colour, alpha=0.35, marker=".", linewidth=0.8,
+                                label=f"{LABELS[method]}, each step size" if first else None)
             frontier = [(level, entry["methods"][method]) for level, entry in summary["levels"].items()
                         if method in entry["methods"]]
             if frontier:

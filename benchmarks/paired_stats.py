@@ -49,9 +49,9 @@ def crossed_bootstrap_interval(per_seed: list[list[float]], *, resamples: int = 
                                seed: int = 0) -> tuple[float, float]:
     """The percentile bootstrap interval of ``seed_mean`` when every seed's values are on the
     same prompts, in the same order: seeds and prompts drawn independently, crossed."""
-    values = np.asarray(per_seed, dtype=float)  # seeds x prompts
-    if values.ndim != 2 or 0 in values.shape:
+    if not per_seed or len({len(values) for values in per_seed}) != 1 or not per_seed[0]:
         raise ValueError("crossed_bootstrap_interval needs seeds with values on the same, non-empty list of prompts")
+    values = np.asarray(per_seed, dtype=float)  # seeds x prompts
     generator = np.random.default_rng(seed)
     statistic = np.empty(resamples)
     for index in range(resamples):
