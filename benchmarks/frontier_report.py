@@ -174,13 +174,13 @@ def plot(result: dict, path: Path) -> None:
         untrained = statistics.mean(untrained_of(result, task)[s]["pass_at_1"] for s in seeds)
         for method in METHODS:
             colour = COLOURS[method]
+            label = f"{LABELS[method]}, each step size"
             for value in SWEEPS[method]:  # every step size's path, mean over seeds
                 runs = [r for r in runs_of(result, task, method, value) if r["seed"] in seeds]
                 if runs:
                     xs, ys, _, _ = mean_curve(runs, lambda r, i: r["validations"][i]["kl_from_init"])
-                    first = value == SWEEPS[method][0]
-                    row[0].plot(xs, ys, color=colour, alpha=0.35, marker=".", linewidth=0.8,
-                                label=f"{LABELS[method]}, each step size" if first else None)
+                    row[0].plot(xs, ys, color=colour, alpha=0.35, marker=".", linewidth=0.8, label=label)
+                    label = None  # one legend entry per method
             frontier = [(level, entry["methods"][method]) for level, entry in summary["levels"].items()
                         if method in entry["methods"]]
             if frontier:
