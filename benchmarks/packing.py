@@ -55,7 +55,7 @@ def synthetic_rollouts(model, *, rows: int, generations: int, prompt_tokens: int
     import torch
 
     from lightning_logra.rl.batch import RolloutBatch, batch_logprobs
-    from lightning_logra.rl.losses import group_advantages
+    from lightning_logra.rl.advantages import group_advantages
     from lightning_logra.rollout.base import pack_rollouts
 
     generator = torch.Generator().manual_seed(seed)

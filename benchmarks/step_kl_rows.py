@@ -26,7 +26,7 @@ import torch
 
 from lightning_logra.core.probe_batch import stratified_rows
 from lightning_logra.modules import GRPOModule
-from lightning_logra.rl.losses import k3
+from lightning_logra.rl.kl_estimators import k3
 
 from .cli_runs import fresh_work, mlflow_environment, run_logra
 from .harness import argument_parser, code_line, code_version, command_line, load_json, machine_info, machine_line, save_json, write_outputs

@@ -79,7 +79,7 @@ def replay_rollouts(model, input_ids, prompt_tokens: int, *, num_generations: in
 
     from lightning_logra.rl.batch import RolloutBatch
     from lightning_logra.rl.logprobs import sequence_logprobs
-    from lightning_logra.rl.losses import group_advantages
+    from lightning_logra.rl.advantages import group_advantages
     from lightning_logra.rollout.base import pack_rollouts
 
     device = next(model.parameters()).device

@@ -43,7 +43,7 @@ from lightning_logra.rl.batch import BACKWARD_HINT, RolloutBatch, batch_logprobs
 from lightning_logra.rl.collectives import any_rank, gather_objects, gather_ranks
 from lightning_logra.rl.config import (BatchingConfig, LoggingConfig, LoRAConfig, LossConfig, MultiTurnConfig,
                                        OptimizerConfig)
-from lightning_logra.rl.losses import NonFiniteRewards, RunningBaseline, group_advantages
+from lightning_logra.rl.advantages import NonFiniteRewards, RunningBaseline, group_advantages, length_scaled
 from lightning_logra.rl.metrics import PassTotals, PhaseClock, step_metrics
 from lightning_logra.rl.packing import check_packing
 from lightning_logra.rl.step import build_lr_schedule, build_optimizer, run_update
@@ -184,7 +184,8 @@ class GRPOModule(L.LightningModule):
                                            getattr(self.model_config, "max_position_embeddings", None))
         self.reward_runner = RewardRunner(reward.functions, weights=reward.weights, timeout_s=reward.timeout_s,
                                           max_consecutive_timeouts=reward.max_consecutive_timeouts)
-        self.baseline = RunningBaseline(self.loss_config.baseline_weight, self.loss_config.failure_reward)
+        self.baseline = RunningBaseline(self.loss_config.baseline_weight, self.loss_config.failure_reward,
+                                        self.loss_config.success_threshold)
         self.val_pass_at_1 = MeanMetric()
         self.val_pass_at_n = MeanMetric()
         self.val_kl_from_init = MeanMetric() if self.logging.kl_from_init else None
@@ -256,6 +257,8 @@ class GRPOModule(L.LightningModule):
         mask = rollouts.completion_mask[:, 1:].bool()  # log-prob t scores token t + 1
         if self.loss_config.mask_truncated:
             mask = mask & rollouts.ended_with_eos[:, None]
+        if self.loss_config.response_length_reference is not None:
+            advantages = length_scaled(advantages, mask, self.loss_config.response_length_reference)
         rollout_batch = RolloutBatch(rollouts, mask, rollouts.rollout_logprobs[:, 1:], advantages)
         if self.reference is not None and self.loss_config.kl_coef > 0:
             with torch.no_grad(), memory_phase("backward", BACKWARD_HINT):

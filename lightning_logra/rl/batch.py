@@ -161,9 +161,13 @@ def backward_micro_batches(
             settings.loss, logprobs, old, batch.rollout_logprobs[part], batch.advantages[part], mask[part],
             None if batch.reference_logprobs is None else batch.reference_logprobs[part],
             max_completion_length=settings.max_completion_length, tis=settings.tis)
-        weight = _part_weight(settings.loss, mask[part], totals)
+        objective = loss * _part_weight(settings.loss, mask[part], totals)
+        if settings.loss.entropy_coef > 0:
+            # The bonus is the update-wide mean entropy of the trained tokens, whatever the
+            # loss's own normaliser: this part's share of it.
+            objective = objective - settings.loss.entropy_coef * torch.where(mask[part], entropy, 0.0).sum() / totals[2]
         with memory_phase("backward", BACKWARD_HINT):
-            backward(loss * weight * world)
+            backward(objective * world)
         passes.add(entropy, mask[part], stats)
     return trained
 

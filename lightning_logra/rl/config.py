@@ -13,6 +13,8 @@ import torch
 
 from lightning_logra.core.config import DEFAULT_TARGET_MODULES
 from lightning_logra.core.validation import FieldChecks
+from lightning_logra.rl.importance import IMPORTANCE_SAMPLING_MODES
+from lightning_logra.rl.kl_estimators import KL_ESTIMATORS
 from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE
 # Moved to rollout/config.py; still importable here, where checkpoints written before the move name it.
 from lightning_logra.rollout.config import RolloutConfig  # noqa: F401
@@ -44,14 +46,36 @@ class LossConfig:
     """Mean over all tokens of the batch, or over each sequence's tokens then sequences."""
     kl_coef: float = 0.0
     """Weight of a k3 KL penalty towards the initial policy; > 0 builds a frozen reference model."""
+    kl_estimator: Literal["k1", "k2", "k3", "low_var"] = "k3"
+    """The KL penalty's per-token estimate (``rl.kl_estimators``): k1 ``log p - log ref``, k2 its square / 2, k3
+    ``exp(-x) + x - 1`` (unbiased, never negative), low_var k3 clamped at 10 (verl's ``low_var_kl``)."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus: the mean entropy of the trained tokens' distributions is subtracted from the loss
+    (whatever the loss type's normaliser, as TRL does); 0: off."""
     tis: bool | None = None
-    """Truncated importance sampling in the clipped losses; None: on exactly with vLLM rollouts."""
+    """Importance sampling of the rollout-engine/trainer ratio in the clipped losses; None: on exactly with vLLM rollouts."""
+    importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = \
+        "token_truncate"
+    """How the ratio weighs the loss (TRL's ``vllm_importance_sampling_mode``, ``rl.importance``): per token or per
+    sequence, truncated into [``tis_min``, ``tis_cap``] or masked outside it. ``token_truncate``: the paper's (TRL's
+    default is ``sequence_mask`` with a cap of 3)."""
     tis_cap: float = 2.0
-    """Cap of the rollout-engine/trainer importance ratio."""
+    """Upper bound of the rollout-engine/trainer importance ratio."""
+    tis_min: float | None = None
+    """Lower bound of the ratio (0 <= ``tis_min`` < ``tis_cap``); None: none."""
+    off_policy_mask_threshold: float | None = None
+    """DeepSeek-V3.2's off-policy sequence mask: a sequence with a negative advantage whose mean per-token
+    ``log p_rollout - log p_trainer`` is above this leaves the loss; None: off."""
+    response_length_reference: float | None = None
+    """The authors' newer length-normalised advantage: each sequence's advantage times this / its trained tokens;
+    None: off."""
     baseline_weight: float = 0.1
     """``reinforce_baseline``: weight of each step's mean reward in the running baseline, in (0, 1]."""
     failure_reward: float = -0.01
     """``reinforce_baseline``: every reward <= 0 becomes this before the baseline."""
+    success_threshold: float | None = None
+    """``reinforce_baseline``: with a value (the authors' newer code: 1.0, for fractional rewards), a reward at or
+    above it becomes 1 and every other one ``failure_reward``; None: only rewards <= 0 are failures."""
     mask_truncated: bool = False
     """Leave completions that hit ``rollout.max_new_tokens`` out of the loss."""
     overlong_buffer: int = 0
@@ -66,10 +90,20 @@ class LossConfig:
         check.number("epsilon_high", above=0)
         check.choice("aggregation", ("token", "sequence"))
         check.number("kl_coef", at_least=0)
+        check.choice("kl_estimator", KL_ESTIMATORS)
+        check.number("entropy_coef", at_least=0)
         check.boolean("tis", optional=True)
+        check.choice("importance_sampling_mode", IMPORTANCE_SAMPLING_MODES)
         check.number("tis_cap", above=0)
+        check.number("tis_min", at_least=0, optional=True)
+        check.require("tis_min", self.tis_min is None or self.tis_min < self.tis_cap, f"below tis_cap ({self.tis_cap})")
+        check.require("importance_sampling_mode", not (self.type == "gspo" and self.importance_sampling_mode == "token_mask"),
+                      "token_truncate, sequence_truncate or sequence_mask for gspo, which weighs whole sequences")
+        check.number("off_policy_mask_threshold", above=0, optional=True)
+        check.number("response_length_reference", above=0, optional=True)
         check.number("baseline_weight", above=0, at_most=1)
         check.number("failure_reward")
+        check.number("success_threshold", optional=True)
         check.boolean("mask_truncated")
         check.integer("overlong_buffer", at_least=0)
         check.number("overlong_penalty", at_least=0)

@@ -1,115 +1,44 @@
-"""Policy-gradient losses and advantages for RL post-training (plain torch).
+"""Policy-gradient losses for RL post-training (plain torch); advantages are in ``advantages``.
 
 All losses take per-token tensors of shape ``B x T`` (``logprobs`` from the trainer,
 ``old_logprobs``/``rollout_logprobs`` from sampling) and a ``mask`` that is 1 exactly on
 the completion tokens to train on: prompt and padding positions never contribute,
 whatever values they hold. ``advantages`` is one value per sequence (``B``) or per token
 (``B x T``). Each loss returns ``(loss, stats)`` with detached scalar tensors in ``stats``.
+
+Options every loss takes: ``corrections`` (``LossConfig``'s ``importance_sampling_mode`` /
+``tis_cap`` / ``tis_min``) weigh each token by the rollout/trainer ratio (``importance``)
+and choose the KL penalty's per-token estimate (``kl_estimator``: ``kl_estimators``);
+``sequence_keep`` (``B x 1``, 1 or 0: the off-policy mask, ``importance.off_policy_keep``)
+drops whole sequences. Both leave the loss's normaliser as it is (as TRL does).
 """
 
-import math
+from dataclasses import dataclass
 
 import torch
 
+from lightning_logra.rl.advantages import NonFiniteRewards
 from lightning_logra.rl.config import LossConfig
+from lightning_logra.rl.importance import importance_weights, off_policy_keep
+from lightning_logra.rl.kl_estimators import kl_estimate
 
 AGGREGATIONS = ("token", "sequence")
 
 
-class NonFiniteRewards(ValueError):
-    """Rewards whose advantages (or running baseline) are not finite in float32: training on
-    them would make the weights NaN, so the step stops instead (``GRPOModule`` adds the reward
-    functions' names)."""
+@dataclass(frozen=True)
+class Corrections:
+    """How a loss weighs its tokens beyond the policy gradient: the importance weights of the
+    rollout engine's samples (when ``rollout_logprobs`` are given to the loss) and the KL
+    penalty's estimator (see the module docstring)."""
 
+    importance_sampling_mode: str = "token_truncate"
+    tis_cap: float = 2.0
+    tis_min: float | None = None
+    kl_estimator: str = "k3"
 
-def k3(log_ratio: torch.Tensor) -> torch.Tensor:
-    """``exp(x) - x - 1`` per token of log ratios ``x = log q - log p``: never negative, and
-    its mean over tokens sampled from p is an unbiased estimate of KL(p || q)."""
-    return log_ratio.exp() - log_ratio - 1
-
-
-def _check_finite(what: str, values: torch.Tensor, rewards: torch.Tensor) -> None:
-    if not torch.isfinite(values).all():
-        bad = int((~torch.isfinite(values)).sum())
-        raise NonFiniteRewards(f"{what}: {bad} of {values.numel()} values are not finite in float32; the rewards "
-                               f"range over [{rewards.min().item():.4g}, {rewards.max().item():.4g}]")
-
-
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
-) -> torch.Tensor:
-    """GRPO advantages: ``(r - group mean) / (group std + eps)``, groups laid out consecutively.
-
-    ``rewards`` is ``[p0 s0, p0 s1, ..., p1 s0, ...]`` (``B = prompts * group_size``). The std is
-    the sample std (Bessel-corrected, as ``torch.std``). Dr. GRPO uses ``normalize_std=False``.
-    """
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
-    if group_size < 2:
-        raise ValueError(f"group_size must be >= 2 for group advantages, got {group_size}")
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    groups = rewards.float().reshape(-1, group_size)
-    centered = groups - groups.mean(dim=1, keepdim=True)
-    if normalize_std:
-        centered = centered / (groups.std(dim=1, keepdim=True) + eps)
-    _check_finite("group advantages", centered, rewards)
-    return centered.reshape(-1)
-
-
-class RunningBaseline:
-    """REINFORCE baseline: a running mean of (shaped) rewards, as in the paper's RL setting.
-
-    ``advantages(rewards)`` does three things in order:
-
-    1. Failure shaping: every reward ``<= 0`` becomes ``failure_reward`` (-0.01 in the paper),
-       so a failed sample is pushed down slightly even before the baseline has grown.
-       ``failure_reward=None`` leaves rewards as they are.
-    2. Advantage = shaped reward - current baseline (which starts at 0), so a sample never
-       enters its own baseline.
-    3. Update ``b <- (1 - weight) * b + weight * mean(shaped rewards)``.
-
-    Pass the rewards of all data-parallel ranks (gathered) so that every rank keeps the
-    same baseline. The baseline lives in ``state_dict()`` for checkpoints. Rewards that would
-    make the advantages or the baseline non-finite raise ``NonFiniteRewards`` and leave the
-    baseline as it was.
-    """
-
-    def __init__(self, weight: float = 0.1, failure_reward: float | None = -0.01) -> None:
-        if not 0.0 < weight <= 1.0:
-            raise ValueError(f"weight must be in (0, 1], got {weight}")
-        self.weight = weight
-        self.failure_reward = failure_reward
-        self.value = 0.0
-
-    def shape(self, rewards: torch.Tensor) -> torch.Tensor:
-        rewards = rewards.float()
-        if self.failure_reward is None:
-            return rewards
-        return torch.where(rewards <= 0, torch.full_like(rewards, self.failure_reward), rewards)
-
-    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        if rewards.dim() != 1 or rewards.numel() == 0:
-            raise ValueError(f"rewards must be a non-empty 1-D tensor, got shape {tuple(rewards.shape)}")
-        shaped = self.shape(rewards)
-        advantages = shaped - self.value
-        value = (1 - self.weight) * self.value + self.weight * shaped.mean().item()
-        _check_finite(f"running baseline advantages (baseline {self.value:.4g})", advantages, rewards)
-        if not math.isfinite(value):
-            raise NonFiniteRewards(f"running baseline: the rewards' mean {shaped.mean().item()} would make the "
-                                   f"baseline {value}; it keeps {self.value:.4g}")
-        self.value = value
-        return advantages
-
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        value = float(state["value"])
-        if not math.isfinite(value):
-            raise ValueError(f"running baseline state: value {value} is not finite (a checkpoint saved after "
-                             "non-finite rewards); it cannot be resumed from")
-        self.value = value
+    @classmethod
+    def of(cls, config: LossConfig) -> "Corrections":
+        return cls(config.importance_sampling_mode, config.tis_cap, config.tis_min, config.kl_estimator)
 
 
 def grpo_loss(
@@ -124,24 +53,26 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     rollout_logprobs: torch.Tensor | None = None,
-    tis_cap: float = 2.0,
+    corrections: Corrections = Corrections(),
+    sequence_keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clipped GRPO loss ``-min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``.
 
     ``aggregation="token"``: sum over all completion tokens / their number.
     ``aggregation="sequence"``: mean over sequences of each sequence's token mean (rows
     without completion tokens are left out). With ``ref_logprobs`` and ``kl_coef > 0`` the
-    k3 estimate ``exp(ref - lp) - (ref - lp) - 1`` of KL(policy || reference) is added per token.
-    With ``rollout_logprobs`` each token's loss is multiplied by the truncated importance
-    weight ``min(exp(old_logprobs - rollout_logprobs), tis_cap)`` (see ``tis_weights``).
+    estimate (``corrections.kl_estimator``, k3 by default: ``exp(ref - lp) - (ref - lp) - 1``) of
+    KL(policy || reference) is added per token. With ``rollout_logprobs`` each token's loss is
+    multiplied by its importance weight of ``exp(old_logprobs - rollout_logprobs)``
+    (``corrections``; by default ``min(ratio, 2)`` per token: see ``importance_weights``).
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
     mask = _check_inputs(logprobs, advantages, mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                          rollout_logprobs=rollout_logprobs)
     per_token, stats = _clipped_token_loss(
-        logprobs, old_logprobs, advantages, mask, epsilon_low, epsilon_high, ref_logprobs, kl_coef, rollout_logprobs, tis_cap
-    )
+        logprobs, old_logprobs, advantages, mask, epsilon_low, epsilon_high, ref_logprobs, kl_coef, rollout_logprobs,
+        corrections, sequence_keep)
     if aggregation == "token":
         loss = per_token.sum() / mask.sum()
     else:
@@ -163,20 +94,21 @@ def dr_grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     rollout_logprobs: torch.Tensor | None = None,
-    tis_cap: float = 2.0,
+    corrections: Corrections = Corrections(),
+    sequence_keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Dr. GRPO: the GRPO per-token loss summed and divided by the constant
     ``num_sequences * max_completion_length``, so long answers are not down-weighted.
     Pair it with ``group_advantages(..., normalize_std=False)``. ``rollout_logprobs`` and
-    ``tis_cap`` as in ``grpo_loss``.
+    ``corrections`` as in ``grpo_loss``.
     """
     if max_completion_length < 1:
         raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
     mask = _check_inputs(logprobs, advantages, mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                          rollout_logprobs=rollout_logprobs)
     per_token, stats = _clipped_token_loss(
-        logprobs, old_logprobs, advantages, mask, epsilon_low, epsilon_high, ref_logprobs, kl_coef, rollout_logprobs, tis_cap
-    )
+        logprobs, old_logprobs, advantages, mask, epsilon_low, epsilon_high, ref_logprobs, kl_coef, rollout_logprobs,
+        corrections, sequence_keep)
     return per_token.sum() / (logprobs.shape[0] * max_completion_length), stats
 
 
@@ -186,16 +118,21 @@ def reinforce_baseline_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    tis_cap: float = 2.0,
+    corrections: Corrections = Corrections(),
+    sequence_keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """REINFORCE with truncated importance sampling (the paper's loss), no PPO ratio:
 
     ``w = min(exp(logprobs.detach() - rollout_logprobs), tis_cap)`` corrects for the
     rollout engine sampling from slightly different numbers than the trainer computes;
-    ``loss = -sum(w * A * logprobs * mask) / sum(mask)``.
+    ``loss = -sum(w * A * logprobs * mask) / sum(mask)``. ``corrections`` may weigh the
+    ratio otherwise (see ``importance_weights``).
     """
     mask = _check_inputs(logprobs, advantages, mask, old_logprobs=rollout_logprobs)
-    weight, stats = tis_weights(logprobs.detach(), rollout_logprobs, mask, tis_cap)
+    weight, stats = importance_weights(logprobs, rollout_logprobs, mask, mode=corrections.importance_sampling_mode,
+                                       cap=corrections.tis_cap, floor=corrections.tis_min)
+    if sequence_keep is not None:
+        weight = weight * sequence_keep
     per_token = torch.where(mask, -weight * _per_token(advantages) * logprobs, 0.0)
     return per_token.sum() / mask.sum(), stats
 
@@ -211,7 +148,8 @@ def gspo_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     rollout_logprobs: torch.Tensor | None = None,
-    tis_cap: float = 2.0,
+    corrections: Corrections = Corrections(),
+    sequence_keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: the PPO clip on a sequence-level ratio ``s = exp(mean_t(logprobs - old_logprobs))``
     (the geometric mean of the token ratios, so length does not inflate it), loss
@@ -219,8 +157,10 @@ def gspo_loss(
 
     Sequence ratios stay close to 1, hence clip ranges of ``3e-4``/``4e-4`` rather than
     GRPO's ``0.2``. ``advantages`` is one value per sequence. With ``rollout_logprobs`` the
-    importance weight is sequence-level too: ``min(exp(mean_t(old - rollout)), tis_cap)``.
-    The k3 KL penalty (``ref_logprobs``, ``kl_coef``) is each sequence's token mean.
+    importance weight is sequence-level too: with the default ``token_truncate`` mode
+    ``min(exp(mean_t(old - rollout)), tis_cap)``, with the ``sequence_*`` modes those of
+    ``importance_weights`` (``token_mask`` is refused: it has no sequence-level form). The KL
+    penalty (``ref_logprobs``, ``kl_coef``) is each sequence's token mean.
     """
     if advantages.dim() != 1:
         raise ValueError(f"gspo needs one advantage per sequence, got shape {tuple(advantages.shape)}")
@@ -233,38 +173,35 @@ def gspo_loss(
         return torch.where(mask, values, 0.0).sum(dim=1)[rows] / tokens_per_row[rows]
 
     ratio = row_mean(logprobs - old_logprobs).exp()
-    advantages = advantages[rows]
-    per_row = -torch.minimum(ratio * advantages, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * advantages)
-    clipped = ((ratio < 1 - epsilon_low) & (advantages < 0)) | ((ratio > 1 + epsilon_high) & (advantages > 0))
+    row_advantages = advantages[rows]
+    per_row = -torch.minimum(ratio * row_advantages, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * row_advantages)
+    clipped = ((ratio < 1 - epsilon_low) & (row_advantages < 0)) | ((ratio > 1 + epsilon_high) & (row_advantages > 0))
     stats = {"clip_fraction": clipped.float().mean()}
     if rollout_logprobs is not None:
-        sequence_weight = row_mean(old_logprobs - rollout_logprobs).exp()
-        per_row = per_row * sequence_weight.clamp(max=tis_cap)
-        stats["tis_weight_mean"] = sequence_weight.clamp(max=tis_cap).mean()
-        stats["tis_capped_fraction"] = (sequence_weight > tis_cap).float().mean()
+        mode = corrections.importance_sampling_mode
+        if mode == "token_mask":
+            raise ValueError("gspo weighs whole sequences: importance_sampling_mode token_mask has no sequence-level "
+                             "form; use token_truncate (its geometric-mean ratio), sequence_truncate or sequence_mask")
+        log_ratio = torch.where(mask, old_logprobs - rollout_logprobs, 0.0).sum(dim=1)[rows]
+        if mode == "token_truncate":  # GSPO's own: the geometric mean of the token ratios
+            log_ratio = log_ratio / tokens_per_row[rows]
+        sequence_ratio = log_ratio.exp()
+        outside = sequence_ratio > corrections.tis_cap
+        if corrections.tis_min is not None:
+            outside = outside | (sequence_ratio < corrections.tis_min)
+        if mode.endswith("truncate"):
+            weight = sequence_ratio.clamp(min=corrections.tis_min, max=corrections.tis_cap)
+        else:
+            weight = torch.where(outside, 0.0, sequence_ratio)
+        stats["tis_weight_mean"], stats["tis_capped_fraction"] = weight.mean(), outside.float().mean()
+        per_row = per_row * weight
+    if sequence_keep is not None:
+        per_row = per_row * sequence_keep.squeeze(1)[rows]
     if ref_logprobs is not None:
-        kl = row_mean(k3(ref_logprobs - logprobs))
+        kl = row_mean(kl_estimate(ref_logprobs - logprobs, corrections.kl_estimator))
         per_row = per_row + kl_coef * kl
         stats["kl"] = kl.mean()
     return per_row.mean(), {key: value.detach() for key, value in stats.items()}
-
-
-def tis_weights(
-    trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, tis_cap: float
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Truncated importance weights ``min(exp(trainer - rollout), tis_cap)`` per token (0 off
-    the mask): they correct for the rollout engine sampling from slightly different numbers
-    than the trainer computes, without letting one token's ratio blow up the step."""
-    if tis_cap <= 0:
-        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
-    ratio = torch.where(mask, trainer_logprobs.detach() - rollout_logprobs, 0.0).exp()
-    weight = torch.where(mask, ratio.clamp(max=tis_cap), 0.0)
-    tokens = mask.sum()
-    stats = {
-        "tis_weight_mean": weight.sum() / tokens,
-        "tis_capped_fraction": ((ratio > tis_cap) & mask).sum() / tokens,
-    }
-    return weight, stats
 
 
 def micro_batch_loss(
@@ -280,16 +217,28 @@ def micro_batch_loss(
     tis: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss ``config.type`` names, with its settings; ``tis`` puts the rollout/trainer
-    importance weight into the clipped losses (``reinforce_baseline`` always has it)."""
+    importance weight into the clipped losses (``reinforce_baseline`` always has it). The
+    off-policy mask (``off_policy_mask_threshold``) compares the trainer with the rollout
+    engine's log-probs, the policy that sampled, whether or not ``tis`` is on."""
+    corrections, keep, stats = Corrections.of(config), None, {}
+    if config.off_policy_mask_threshold is not None:
+        keep, stats = off_policy_keep(advantages, logprobs, rollout_logprobs, mask.bool(),
+                                      config.off_policy_mask_threshold)
     if config.type == "reinforce_baseline":
-        return reinforce_baseline_loss(logprobs, rollout_logprobs, advantages, mask, tis_cap=config.tis_cap)
+        loss, loss_stats = reinforce_baseline_loss(logprobs, rollout_logprobs, advantages, mask,
+                                                   corrections=corrections, sequence_keep=keep)
+        return loss, {**loss_stats, **stats}
     common = dict(epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high, ref_logprobs=ref_logprobs,
-                  kl_coef=config.kl_coef, rollout_logprobs=rollout_logprobs if tis else None, tis_cap=config.tis_cap)
+                  kl_coef=config.kl_coef, rollout_logprobs=rollout_logprobs if tis else None, corrections=corrections,
+                  sequence_keep=keep)
     if config.type == "gspo":
-        return gspo_loss(logprobs, old_logprobs, advantages, mask, **common)
-    if config.type == "dr_grpo":
-        return dr_grpo_loss(logprobs, old_logprobs, advantages, mask, max_completion_length=max_completion_length, **common)
-    return grpo_loss(logprobs, old_logprobs, advantages, mask, aggregation=config.aggregation, **common)
+        loss, loss_stats = gspo_loss(logprobs, old_logprobs, advantages, mask, **common)
+    elif config.type == "dr_grpo":
+        loss, loss_stats = dr_grpo_loss(logprobs, old_logprobs, advantages, mask,
+                                        max_completion_length=max_completion_length, **common)
+    else:
+        loss, loss_stats = grpo_loss(logprobs, old_logprobs, advantages, mask, aggregation=config.aggregation, **common)
+    return loss, {**loss_stats, **{key: value.detach() for key, value in stats.items()}}
 
 
 def normalised_per_token(config: LossConfig) -> bool:
@@ -299,7 +248,7 @@ def normalised_per_token(config: LossConfig) -> bool:
 
 
 def _clipped_token_loss(logprobs, old_logprobs, advantages, mask, epsilon_low, epsilon_high, ref_logprobs, kl_coef,
-                        rollout_logprobs=None, tis_cap=2.0):
+                        rollout_logprobs, corrections: Corrections, sequence_keep):
     # where() rather than multiplying by the mask: masked positions may hold inf/nan.
     ratio = torch.where(mask, logprobs - old_logprobs, 0.0).exp()
     advantages = _per_token(advantages)
@@ -311,11 +260,15 @@ def _clipped_token_loss(logprobs, old_logprobs, advantages, mask, epsilon_low, e
     tokens = mask.sum()
     stats = {"clip_fraction": (clipped & mask).sum() / tokens}
     if rollout_logprobs is not None:
-        weight, tis_stats = tis_weights(old_logprobs, rollout_logprobs, mask, tis_cap)
+        weight, tis_stats = importance_weights(old_logprobs, rollout_logprobs, mask,
+                                               mode=corrections.importance_sampling_mode, cap=corrections.tis_cap,
+                                               floor=corrections.tis_min)
         per_token = per_token * weight
         stats.update(tis_stats)
+    if sequence_keep is not None:
+        per_token = per_token * sequence_keep
     if ref_logprobs is not None:
-        kl = k3(torch.where(mask, ref_logprobs - logprobs, 0.0))
+        kl = kl_estimate(torch.where(mask, ref_logprobs - logprobs, 0.0), corrections.kl_estimator)
         per_token = per_token + kl_coef * kl
         stats["kl"] = (kl.detach() * mask).sum() / tokens
     return torch.where(mask, per_token, 0.0), {k: v.detach() for k, v in stats.items()}

@@ -27,7 +27,7 @@ from lightning_logra.core.reliability import memory_phase
 from lightning_logra.rl.batch import BACKWARD_HINT, MicroBatching, RolloutBatch
 from lightning_logra.rl.collectives import max_over_ranks
 from lightning_logra.rl.logprobs import logprobs_of, sampled_token_logprobs
-from lightning_logra.rl.losses import k3
+from lightning_logra.rl.kl_estimators import k3
 from lightning_logra.rollout.base import Rollouts
 
 SAMPLES = 4  # fresh tokens per position: the token draws' share of the error (see the metrics guide)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_logra.rewards import RewardConfig, RewardWarning
-from lightning_logra.rl.losses import NonFiniteRewards
+from lightning_logra.rl.advantages import NonFiniteRewards
 from tests.helpers.grpo import fit_grpo, grpo_module, rewards
 
 CHAOS = ["hanging_reward", "gil_holding_reward", "raising_reward", "wrong_length_reward", "nan_reward",

@@ -326,3 +326,43 @@ def test_kl_from_init_is_zero_before_training_and_leaves_training_as_it_was(mode
     # Trained, the policy has moved from its initial weights, and the validation says how far.
     _, metrics = validate_logged(with_kl.lightning_module, model_folder, tmp_path, "trained")
     assert metrics["val/kl_from_init"] > 0
+
+
+@pytest.mark.parametrize("method", ["dense", "lora", "logra"])
+def test_the_peer_loss_options_train_under_every_method(model_folder, method):
+    """Every option of issue 44 part 3 on at once (a KL penalty by low_var, an entropy bonus,
+    sequence-masked importance sampling with a floor, the off-policy mask, length-scaled
+    advantages): each method trains, logs the options' metrics, and moves the weights."""
+    from lightning_logra.modules import LoRAConfig
+
+    loss = LossConfig(kl_coef=0.05, kl_estimator="low_var", entropy_coef=0.01, tis=True,
+                      importance_sampling_mode="sequence_mask", tis_cap=3.0, tis_min=0.5, off_policy_mask_threshold=0.5,
+                      response_length_reference=4.0)
+    options = {"lora": LoRAConfig(rank=4, alpha=8.0)} if method == "lora" else {}
+    grpo = grpo_module(model_folder, loss=loss, **options)
+    before = None
+    if method == "dense":
+        grpo.configure_model()  # built now, kept by fit
+        before = {name: p.detach().clone() for name, p in grpo.policy.named_parameters()}
+    strategy, callbacks = "auto", []
+    if method == "logra":
+        strategy, callbacks = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3)), [LoGRACallback()]
+    trainer, logged = fit_grpo(grpo, model_folder, steps=2, strategy=strategy, callbacks=callbacks)
+    assert trainer.global_step == 2
+    for step in logged:
+        assert 0 <= step["policy/off_policy_masked_fraction"] <= 1 and step["policy/tis_weight_mean"] > 0
+        assert step["policy/kl"] >= 0
+    if before is not None:
+        assert any(not torch.equal(before[name], p) for name, p in grpo.policy.named_parameters())
+
+
+def test_the_authors_success_threshold_maps_fractional_rewards_to_failures(model_folder):
+    # varied_reward pays sevenths below 1: with the threshold every sample is a failure
+    # (-0.01), so one step leaves the baseline at 0.1 x -0.01; without it, a positive mean.
+    for threshold in (1.0, None):
+        grpo = grpo_module(model_folder, loss=LossConfig(type="reinforce_baseline", success_threshold=threshold))
+        _, logged = fit_grpo(grpo, model_folder, steps=1)
+        if threshold is None:
+            assert grpo.baseline.value > 0 and logged[0]["reward/mean"] > 0
+        else:
+            assert grpo.baseline.value == pytest.approx(-0.001)

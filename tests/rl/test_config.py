@@ -23,8 +23,10 @@ def refuses(config_class, allowed: str, **values):
 
 def test_defaults_are_unchanged():
     assert dataclasses.asdict(LossConfig()) == dict(
-        type="grpo", epsilon_low=0.2, epsilon_high=0.2, aggregation="token", kl_coef=0.0, tis=None, tis_cap=2.0,
-        baseline_weight=0.1, failure_reward=-0.01, mask_truncated=False, overlong_buffer=0, overlong_penalty=1.0)
+        type="grpo", epsilon_low=0.2, epsilon_high=0.2, aggregation="token", kl_coef=0.0, kl_estimator="k3",
+        entropy_coef=0.0, tis=None, importance_sampling_mode="token_truncate", tis_cap=2.0, tis_min=None,
+        off_policy_mask_threshold=None, response_length_reference=None, baseline_weight=0.1, failure_reward=-0.01,
+        success_threshold=None, mask_truncated=False, overlong_buffer=0, overlong_penalty=1.0)
     assert dataclasses.asdict(RolloutConfig()) == dict(
         engine="hf", num_generations=8, max_new_tokens=256, temperature=1.0, top_p=1.0, top_k=0,
         dynamic_sampling=False, max_sampling_rounds=3, val_temperature=0.7, val_top_p=0.7, val_generations=4,

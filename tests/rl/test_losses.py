@@ -3,15 +3,8 @@ import math
 import pytest
 import torch
 
-from lightning_logra.rl.losses import (
-    NonFiniteRewards,
-    RunningBaseline,
-    dr_grpo_loss,
-    group_advantages,
-    grpo_loss,
-    gspo_loss,
-    reinforce_baseline_loss,
-)
+from lightning_logra.rl.advantages import NonFiniteRewards, RunningBaseline, group_advantages
+from lightning_logra.rl.losses import Corrections, dr_grpo_loss, grpo_loss, gspo_loss, reinforce_baseline_loss
 
 INF = float("inf")
 
@@ -124,7 +117,7 @@ def test_reinforce_loss_uses_truncated_importance_weights():
     rollout_logprobs = torch.tensor([[-1.0 - math.log(3), -2.0 + math.log(2)], [-0.5, 0.0]])
     advantages = torch.tensor([1.0, -0.5])
     mask = torch.tensor([[1, 1], [1, 0]])
-    loss, stats = reinforce_baseline_loss(logprobs, rollout_logprobs, advantages, mask, tis_cap=2.0)
+    loss, stats = reinforce_baseline_loss(logprobs, rollout_logprobs, advantages, mask, corrections=Corrections(tis_cap=2.0))
     # -w * A * lp: -2 * 1 * -1 = 2, -0.5 * 1 * -2 = 1, -1 * -0.5 * -0.5 = -0.25.
     torch.testing.assert_close(loss, torch.tensor((2 + 1 - 0.25) / 3))
     torch.testing.assert_close(stats["tis_weight_mean"], torch.tensor((2 + 0.5 + 1) / 3))
@@ -138,12 +131,12 @@ def test_grpo_loss_weights_each_token_by_its_capped_rollout_ratio():
     logprobs, old_logprobs, advantages, mask = clipping_case()
     # Old-trainer/rollout ratios per token: 3 (capped at 2), 0.5, 1 on row 0; 1, 1 on row 1.
     rollout_logprobs = old_logprobs - torch.tensor([[math.log(3), math.log(0.5), 0.0], [0.0, 0.0, 0.0]])
-    loss, stats = grpo_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs=rollout_logprobs, tis_cap=2.0)
+    loss, stats = grpo_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs=rollout_logprobs, corrections=Corrections(tis_cap=2.0))
     torch.testing.assert_close(loss, torch.tensor((2 * -1.2 + 0.5 * -0.9 - 1.0 + 1.6 + 2.2) / 5))
     torch.testing.assert_close(stats["tis_weight_mean"], torch.tensor((2 + 0.5 + 1 + 1 + 1) / 5))
     torch.testing.assert_close(stats["tis_capped_fraction"], torch.tensor(1 / 5))
     dr_loss, _ = dr_grpo_loss(logprobs, old_logprobs, advantages, mask, max_completion_length=4,
-                              rollout_logprobs=rollout_logprobs, tis_cap=2.0)
+                              rollout_logprobs=rollout_logprobs, corrections=Corrections(tis_cap=2.0))
     torch.testing.assert_close(dr_loss, loss * 5 / (2 * 4))
 
 
@@ -165,7 +158,7 @@ def test_gspo_loss_has_a_sequence_level_importance_weight():
     logprobs, old_logprobs, advantages, mask = clipping_case()
     rollout_logprobs = old_logprobs - torch.tensor([[math.log(8), 0.0, 0.0], [0.0, math.log(1.44), 0.0]])
     loss, stats = gspo_loss(logprobs, old_logprobs, advantages, mask, epsilon_low=0.5, epsilon_high=0.5,
-                            rollout_logprobs=rollout_logprobs, tis_cap=1.5)
+                            rollout_logprobs=rollout_logprobs, corrections=Corrections(tis_cap=1.5))
     # Sequence weights: 8^(1/3) = 2 (capped at 1.5) and 1.44^(1/2) = 1.2.
     row0, row1 = 1.35 ** (1 / 3), 0.55 ** 0.5
     torch.testing.assert_close(loss, torch.tensor((-row0 * 1.5 + 2 * row1 * 1.2) / 2))
