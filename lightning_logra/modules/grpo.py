@@ -183,7 +183,8 @@ class GRPOModule(L.LightningModule):
                                            self.rollout_config.max_new_tokens, self.tokenizer,
                                            getattr(self.model_config, "max_position_embeddings", None))
         self.reward_runner = RewardRunner(reward.functions, weights=reward.weights, timeout_s=reward.timeout_s,
-                                          max_consecutive_timeouts=reward.max_consecutive_timeouts)
+                                          max_consecutive_timeouts=reward.max_consecutive_timeouts,
+                                          model_options=reward.model_options())
         self.baseline = RunningBaseline(self.loss_config.baseline_weight, self.loss_config.failure_reward,
                                         self.loss_config.success_threshold)
         self.val_pass_at_1 = MeanMetric()

@@ -55,7 +55,9 @@ class StepSettings:
     loop (CPU) instead of its multi-tensor one (GPU), which allocates one temporary as
     large as the whole sharded model. ``reference``: a KL reference model (``kl_coef > 0``,
     or ``logging.kl_from_init``), held in the compute dtype. ``vllm_bytes``: memory reserved for a colocated vLLM engine
-    (``gpu_memory_utilization`` x the device). ``probe_tokens``: LoGRA's probe rows x their
+    (``gpu_memory_utilization`` x the device). ``reward_model_bytes``: the weights of learned reward
+    models on this device (``SequenceClassifierReward.weight_bytes()``; their activations are
+    freed before training's forward). ``probe_tokens``: LoGRA's probe rows x their
     tokens (default: ``probe_responses`` x ``min(probe_max_tokens, row_tokens)``).
     """
 
@@ -72,6 +74,7 @@ class StepSettings:
     reference: bool = False
     cpu_optimizer: bool = False
     vllm_bytes: int = 0
+    reward_model_bytes: int = 0
     probe_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -83,8 +86,9 @@ class StepSettings:
                 raise ValueError(f"StepSettings.{name} = {value!r}: must be an integer >= 1")
         if self.compute_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"StepSettings.compute_dtype = {self.compute_dtype}: float32 or bfloat16")
-        if self.vllm_bytes < 0:
-            raise ValueError(f"StepSettings.vllm_bytes = {self.vllm_bytes}: must be >= 0")
+        for name in ("vllm_bytes", "reward_model_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"StepSettings.{name} = {getattr(self, name)}: must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,7 @@ class StepMemory:
     autocast_cache: int  # bf16 casts of trainable weights, cached by autocast for the step
     reference: int
     vllm: int
+    reward_models: int
     activations: int  # one micro-batch's forward/backward, the log-prob logits included
     update_workspace: int  # AdamW's temporaries, or LoGRA's probe and update workspace
     held: int
@@ -247,12 +252,12 @@ def step_memory(model: nn.Module, settings: StepSettings) -> StepMemory:
     else:
         update_workspace = sharded(trainable) * FLOAT32
 
-    held = weights + optimizer_state + logra_state + reference + settings.vllm_bytes
+    held = weights + optimizer_state + logra_state + reference + settings.vllm_bytes + settings.reward_model_bytes
     backward_peak = gathered + gradients + autocast_cache + activations
     update_peak = gradients + update_workspace
     return StepMemory(weights=weights, gathered_weights=gathered, gradients=gradients, optimizer_state=optimizer_state,
                       logra_state=logra_state, autocast_cache=autocast_cache, reference=reference,
-                      vllm=settings.vllm_bytes, activations=activations, update_workspace=update_workspace, held=held,
+                      vllm=settings.vllm_bytes, reward_models=settings.reward_model_bytes, activations=activations, update_workspace=update_workspace, held=held,
                       backward_peak=held + backward_peak, update_peak=held + update_peak,
                       peak=held + max(backward_peak, update_peak))
 

@@ -20,8 +20,10 @@ class RewardConfig:
     timeouts."""
 
     functions: list[str | Callable] = field(default_factory=lambda: [DEFAULT_REWARD])
-    """Import paths ``"module:function"`` (in Python, callables too); default: the built-in
-    math reward."""
+    """Import paths ``"module:function"`` (in Python, callables too), or, as TRL takes them, learned reward models:
+    a string without ``:`` is a Hugging Face folder (that exists) or hub id ``org/name`` of a one-label
+    ``AutoModelForSequenceClassification``
+    (``rewards.models.SequenceClassifierReward``); default: the built-in math reward."""
     weights: list[float] | None = None
     """One weight per function; None: 1 each."""
     timeout_s: float = 10.0
@@ -30,13 +32,26 @@ class RewardConfig:
     max_consecutive_timeouts: int = 3
     """Batches in a row on which one function may time out before the run stops with an error
     naming it (each timeout of a function run in a thread leaves that thread behind)."""
+    model_device: str | None = None
+    """The device of the learned reward models; None: the current CUDA device where there is one, else the CPU."""
+    model_dtype: str | None = None
+    """Their dtype, ``float32``, ``bfloat16`` or ``float16``; None: bfloat16 on a GPU, float32 on a CPU."""
+    model_batch_size: int = 16
+    """Texts a reward model scores per forward."""
+    model_max_length: int | None = None
+    """Tokens a reward model reads of each text at most (the rest is cut); None: all."""
+
+    def model_options(self) -> dict:
+        return {"device": self.model_device, "dtype": self.model_dtype, "batch_size": self.model_batch_size,
+                "max_length": self.model_max_length}
 
     def __post_init__(self) -> None:
         check = FieldChecks.of(self)
         functions = self.functions
         check.require("functions", isinstance(functions, (list, tuple)) and len(functions) > 0
                       and all((isinstance(f, str) and f) or callable(f) for f in functions),
-                      "a non-empty list of import paths 'module:function' (or callables)")
+                      "a non-empty list of import paths 'module:function', reward model folders or hub ids "
+                      "(or callables)")
         count = len(functions)
         check.require("weights", self.weights is None or (
             isinstance(self.weights, (list, tuple)) and len(self.weights) == count
@@ -44,6 +59,9 @@ class RewardConfig:
             f"None or a list of finite numbers, one per function ({count})")
         check.timeout("timeout_s")
         check.integer("max_consecutive_timeouts", at_least=1)
+        check.choice("model_dtype", ("float32", "bfloat16", "float16", None))
+        check.integer("model_batch_size", at_least=1)
+        check.integer("model_max_length", at_least=1, optional=True)
 
 
 # A plain dataclass, safe to rebuild: checkpoints that hold it as a hyper-parameter load under

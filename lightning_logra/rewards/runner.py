@@ -34,6 +34,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from lightning_logra.core.validation import MAX_TIMEOUT_S
 from lightning_logra.imports import load_object
@@ -84,8 +85,17 @@ class RewardScores:
         return RewardScores(total, per_function, self.failures + sum(failed), unscored, frozenset(failed_samples))
 
 
-def load_reward(spec: str) -> RewardFunction:
-    """Import ``"package.module:function"``."""
+def load_reward(spec: str, model_options: dict | None = None) -> RewardFunction:
+    """Import ``"package.module:function"``, or load the learned reward model ``spec`` names
+    with ``model_options`` (``SequenceClassifierReward``'s): a folder that exists, or a hub
+    id ``org/name`` (no ``:`` either way)."""
+    if ":" not in spec and (Path(spec).is_dir() or "/" in spec):
+        from lightning_logra.rewards.models import SequenceClassifierReward
+
+        return SequenceClassifierReward(spec, **(model_options or {}))
+    if ":" not in spec:
+        raise ValueError(f"reward spec {spec!r} must look like 'package.module:function', or name a reward model "
+                         "folder that exists or a hub id 'org/name'")
     return load_object(spec, "reward")
 
 
@@ -94,7 +104,8 @@ class RewardRunner:
     functions that scored sample ``i`` (see the module docstring for the calling convention
     and failure isolation).
 
-    ``functions`` holds callables or ``"module:function"`` specs; ``weights`` defaults to 1
+    ``functions`` holds callables, ``"module:function"`` specs or reward model folders / hub
+    ids (loaded with ``model_options``, see ``load_reward``); ``weights`` defaults to 1
     each. Functions are named by their ``__name__`` (``math_reward``, then ``math_reward_2``
     for a second one of that name), the keys of ``RewardScores.per_function``. After
     ``max_consecutive_timeouts`` batches in a row on which one function timed out, the call
@@ -107,10 +118,11 @@ class RewardRunner:
         weights: Sequence[float] | None = None,
         timeout_s: float = 10.0,
         max_consecutive_timeouts: int = 3,
+        model_options: dict | None = None,
     ) -> None:
         if not functions:
             raise ValueError("RewardRunner needs at least one reward function")
-        self.functions = [load_reward(f) if isinstance(f, str) else f for f in functions]
+        self.functions = [load_reward(f, model_options) if isinstance(f, str) else f for f in functions]
         self.names = _unique_names(self.functions)
         self.weights = _checked_weights(weights, len(self.functions))
         if not 0 < timeout_s <= MAX_TIMEOUT_S:  # past it threading's waits raise OverflowError

@@ -18,12 +18,13 @@ def refuses(allowed: str, **values):
 
 def test_the_default_is_the_built_in_math_reward():
     assert dataclasses.asdict(RewardConfig()) == dict(
-        functions=["lightning_logra.rewards.math:math_reward"], weights=None, timeout_s=10.0, max_consecutive_timeouts=3)
+        functions=["lightning_logra.rewards.math:math_reward"], weights=None, timeout_s=10.0, max_consecutive_timeouts=3,
+        model_device=None, model_dtype=None, model_batch_size=16, model_max_length=None)
 
 
 def test_functions_are_import_paths_or_callables():
     assert RewardConfig(functions=["my_rewards:score", math_reward]).functions[1] is math_reward
-    allowed = "a non-empty list of import paths 'module:function' (or callables)"
+    allowed = "a non-empty list of import paths 'module:function', reward model folders or hub ids (or callables)"
     refuses(allowed, functions=[])
     refuses(allowed, functions=[""])
     refuses(allowed, functions="lightning_logra.rewards.math:math_reward")

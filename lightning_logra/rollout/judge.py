@@ -1,0 +1,84 @@
+"""A generative judge as a reward function: a causal LM asked for a verdict on each sample,
+generated greedily by the HF rollout engine and parsed; an ordinary reward source of
+``RewardRunner`` (weighted, logged per function, timed out and counted like the others),
+given to ``RewardConfig.functions`` as an instance (in YAML: ``class_path`` and
+``init_args``). The learned scorer, a sequence classifier, is ``rewards.models``'s.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from lightning_logra.models import model_source
+from lightning_logra.placement import inference_placement
+from lightning_logra.rollout.hf import HFRolloutEngine
+
+
+class JudgeReward:
+    """A generative judge as ``fn(completions, prompts, **columns)``: a causal LM (folder or
+    hub id) is asked ``template`` as a user turn of its chat template, formatted with the
+    sample's ``prompt``, ``completion`` and any of the row's columns (e.g. ``{answer}``), and
+    answers greedily in at most ``max_new_tokens`` tokens; the reward is the value in
+    ``verdicts`` of the first of its words (case-insensitive, whole words) that the answer
+    contains. An answer with none of them scores None: unscored, counted in
+    ``reward/unscored`` like any function's None. Named ``judge_<folder or id's last part>``.
+
+    It generates with ``HFRolloutEngine`` (``do_sample=False``). Under several processes each
+    rank runs its own copy on its own rows; the engine keeps the ranks' ``generate`` calls in
+    step, so every rank must score as many batches (as ``GRPOModule`` does)."""
+
+    def __init__(self, source: str, template: str, verdicts: dict[str, float] | None = None, *,
+                 device: str | torch.device | None = None, dtype: str | None = None, batch_size: int = 16,
+                 max_new_tokens: int = 8) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        verdicts = {"yes": 1.0, "no": 0.0} if verdicts is None else verdicts
+        if not verdicts or not all(re.fullmatch(r"\w+", word) for word in verdicts):
+            raise ValueError(f"judge {source!r}: verdicts must map words to rewards, got {verdicts!r}")
+        if "{completion}" not in template:
+            raise ValueError(f"judge {source!r}: the template must show the judge the {{completion}}")
+        if batch_size < 1:
+            raise ValueError(f"judge {source!r}: batch_size must be >= 1, got {batch_size}")
+        self.source, self.template, self.batch_size = source, template, batch_size
+        self.verdicts = {word.lower(): float(value) for word, value in verdicts.items()}
+        self.pattern = re.compile(r"\b(" + "|".join(map(re.escape, self.verdicts)) + r")\b", re.IGNORECASE)
+        self.__name__ = "judge_" + re.sub(r"\W+", "_", Path(source.rstrip("/")).name).strip("_").lower()
+        self.device, self.dtype = inference_placement(device, dtype)
+        folder = model_source(source)  # a built-in name too
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()
+        self.engine = HFRolloutEngine(model, self.tokenizer, max_new_tokens=max_new_tokens, do_sample=False)
+
+    def weight_bytes(self) -> int:
+        """Its weights' bytes on its device (``StepSettings.reward_model_bytes``)."""
+        return sum(p.numel() * p.element_size() for p in self.engine.model.parameters())
+
+    def questions(self, prompts: list, completions: list, columns: dict[str, list]) -> list[str]:
+        questions = []
+        for index, (prompt, completion) in enumerate(zip(prompts, completions)):
+            if isinstance(prompt, list):
+                prompt = "\n".join(message["content"] for message in prompt)
+            if isinstance(completion, list):
+                completion = "\n".join(message["content"] for message in completion)
+            row = {name: values[index] for name, values in columns.items()}
+            text = self.template.format(**{**row, "prompt": prompt, "completion": completion})
+            messages = [{"role": "user", "content": text}]
+            questions.append(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                             if self.tokenizer.chat_template is not None else text)
+        return questions
+
+    def verdict(self, answer: str) -> float | None:
+        found = self.pattern.search(answer)
+        return None if found is None else self.verdicts[found.group(1).lower()]
+
+    def __call__(self, completions: list, prompts: list, **columns) -> list[float | None]:
+        questions = self.questions(prompts, completions, columns)
+        answers = []
+        for start in range(0, len(questions), self.batch_size):
+            answers += self.engine.generate(questions[start:start + self.batch_size]).completion_text
+        return [self.verdict(answer) for answer in answers]
