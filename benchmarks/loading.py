@@ -47,19 +47,26 @@ RUNS = ((0.0, "32-true"), (0.1, "32-true"), (0.1, "bf16-mixed"))
 def write_model(folder: Path, shape: dict) -> int:
     """The random model and a byte-level tokenizer in ``folder``; its float32 bytes."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**shape))
     model.save_pretrained(folder, max_shard_size="200MB")  # several files and an index, as the hub's
+    write_tokenizer(folder)
+    return sum(p.numel() for p in model.parameters()) * 4
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A byte-level tokenizer (256 symbols, EOS and pad) saved in ``folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(["<|endoftext|>", "<|im_end|>"])
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>").save_pretrained(folder)
-    return sum(p.numel() for p in model.parameters()) * 4
 
 
 def _local_bytes(model) -> int:

@@ -25,6 +25,7 @@ from typing_extensions import override
 
 import lightning_logra  # noqa: F401  (registers the "logra_fsdp" strategy name)
 from lightning_logra.callbacks import PreemptionCheckpoint
+from lightning_logra.allocator import tune_glibc_malloc
 from lightning_logra.notices import quiet_lightning_console, quiet_lightning_pytree_notice
 from lightning_logra.strategies.trainer import claim_checkpoint_folders
 
@@ -213,6 +214,7 @@ def main(args: list[str] | None = None) -> None:
     # The config dataclasses document each field in a docstring under it: --help shows them,
     # e.g. logra fit --trainer.strategy.help=LoGRAFSDPStrategy --trainer.strategy.logra.help
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    tune_glibc_malloc()  # before any tensor: every rank's RSS follows its live memory (allocator.py)
     quiet_lightning_pytree_notice()  # dense and LoRA runs too, whose strategy is Lightning's
     quiet_lightning_console()
     LoGRACLI(

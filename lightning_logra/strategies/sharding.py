@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from lightning_logra.core.sketch import is_target_name
 from lightning_logra.hooks import ProvidesFrozenModels, ProvidesLoGRAModel
 from lightning_logra.models.sharded_loading import is_empty, materialize
+from lightning_logra.allocator import tune_glibc_malloc
 from lightning_logra.notices import quiet_lightning_pytree_notice
 
 
@@ -68,6 +69,7 @@ class DataParallelShardingMixin:
 
     def setup_environment(self) -> None:
         quiet_lightning_pytree_notice()
+        tune_glibc_malloc()  # in every rank (Python users too), before the model is set up
         # Data-parallel only: every process is one data-parallel rank (one FSDP2 shard when several).
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()

@@ -1,0 +1,237 @@
+"""Per-rank host memory of a whole ``logra fit``, run as a user runs it, on 1, 2 and 4 gloo
+processes: the peak RSS of every rank over the whole run, sampled every 0.5 s.
+
+A random Llama-architecture model of 0.43B parameters (``FIT_MODEL``: tied embeddings,
+1.6 GiB in float32) is written once as sharded safetensors with a byte-level tokenizer.
+Each run is ``logra fit`` of one GRPO step under ``logra_fsdp`` (LoGRA rank 64, the arithmetic
+task, 2 prompts x 2 samples of 16 new tokens per rank, no validation, MLflow and
+checkpointing off), with no KL reference or a bfloat16 one (``bf16-mixed``), and with the
+library's allocator tuning (``lightning_logra.allocator``: on by default) or without it
+(``LIGHTNING_LOGRA_MALLOC_TUNING=0``, glibc's defaults). A rank is a process whose command
+is the ``logra`` entry point (the reward functions' worker processes are left out).
+
+Target (issue 43): with the defaults, each rank's peak at most 0.8x the 1-process peak on 2
+processes and at most 0.6x on 4, with and without the reference. Run by hand::
+
+    python -m benchmarks.fit_memory                     # every configuration
+    python -m benchmarks.fit_memory --worlds 1 2 --references none
+    python -m benchmarks.fit_memory --smoke --out /tmp/fm
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from .harness.records import (argument_parser, check_smoke_out, code_version, command_line, load_json, machine_info,
+                              save_json, write_outputs)
+
+GIB = 2**30
+FIT_MODEL = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 26,
+             "num_attention_heads": 16, "num_key_value_heads": 4, "tie_word_embeddings": True}
+SMOKE_MODEL = {**FIT_MODEL, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
+TARGETS = {2: 0.8, 4: 0.6}
+SAMPLE_S = 0.5
+
+
+def write_model(folder: Path, shape: dict) -> int:
+    """The random model and a byte-level tokenizer in ``folder``; its parameter count."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .loading import write_tokenizer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**shape))
+    model.save_pretrained(folder, max_shard_size="300MB")  # several files and an index, as the hub's
+    write_tokenizer(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def config_text(folder: Path, work: Path, reference: str) -> str:
+    precision = "bf16-mixed" if reference == "bf16" else "32-true"
+    return f"""seed_everything: 0
+trainer:
+  accelerator: cpu
+  max_steps: 1
+  limit_val_batches: 0
+  num_sanity_val_steps: 0
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  precision: {precision}
+  default_root_dir: {work}
+  strategy:
+    class_path: lightning_logra.LoGRAFSDPStrategy
+    init_args:
+      logra:
+        rank: 64
+  callbacks:
+    - class_path: lightning_logra.LoGRACallback
+model:
+  class_path: lightning_logra.modules.GRPOModule
+  init_args:
+    model: {folder}
+    loss:
+      kl_coef: {0.1 if reference == "bf16" else 0.0}
+    rollout:
+      num_generations: 2
+      max_new_tokens: 16
+    reward:
+      functions: [lightning_logra.rewards.math:math_reward]
+data:
+  class_path: lightning_logra.data.PromptDataModule
+  init_args:
+    train: arithmetic:1
+    tokenizer: {folder}
+    batch_size: 2
+    train_size: 16
+"""
+
+
+def rank_processes(root) -> list:
+    """``root`` and its descendants that run the ``logra`` entry point (the ranks)."""
+    import psutil
+
+    found = []
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            if "lightning_logra.cli" in " ".join(process.cmdline()):
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+def measure(folder: Path, world: int, reference: str, tuned: bool) -> dict:
+    """One ``logra fit`` on ``world`` processes; each rank's peak RSS and the timeline."""
+    import psutil
+
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch)
+        (work / "config.yaml").write_text(config_text(folder, work, reference))
+        environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+        environment.pop("LIGHTNING_LOGRA_MALLOC_TUNING", None)
+        for variable in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX"):  # the library decides, not this shell
+            environment.pop(variable, None)
+        if not tuned:
+            environment["LIGHTNING_LOGRA_MALLOC_TUNING"] = "0"
+        started = time.perf_counter()
+        process = subprocess.Popen([sys.executable, "-m", "lightning_logra.cli", "fit",
+                                    "-c", str(work / "config.yaml"), f"--trainer.devices={world}"],
+                                   env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        root, peaks, timeline, done = psutil.Process(process.pid), {}, [], threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                now = time.perf_counter() - started
+                for rank in rank_processes(root):
+                    try:
+                        rss = rank.memory_info().rss
+                    except psutil.Error:
+                        continue
+                    peaks[rank.pid] = max(peaks.get(rank.pid, 0), rss)
+                    timeline.append((round(now, 1), rank.pid, rss))
+                done.wait(SAMPLE_S)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        output, _ = process.communicate()
+        done.set()
+        sampler.join()
+    if process.returncode != 0:
+        raise SystemExit(f"logra fit on {world} processes failed (exit {process.returncode}):\n{output[-3000:]}")
+    if len(peaks) != world:
+        raise SystemExit(f"found {len(peaks)} rank processes for {world} ranks")
+    order = sorted(peaks, key=lambda pid: (pid != process.pid, pid))  # the launcher (rank 0) first
+    return {"world": world, "reference": reference, "tuned": tuned, "seconds": time.perf_counter() - started,
+            "rank_peak_gib": [peaks[pid] / GIB for pid in order],
+            "timeline": [(t, order.index(pid), rss / GIB) for t, pid, rss in timeline]}
+
+
+def summarise(result: dict) -> list[dict]:
+    rows = []
+    for run in result["runs"]:
+        single = next((r for r in result["runs"] if r["world"] == 1 and r["reference"] == run["reference"]
+                       and r["tuned"] == run["tuned"]), None)
+        base = None if single is None else single["rank_peak_gib"][0]
+        worst = max(run["rank_peak_gib"])
+        target = TARGETS.get(run["world"])
+        rows.append({**{k: run[k] for k in ("world", "reference", "tuned", "seconds", "rank_peak_gib")},
+                     "ratio": None if base is None else worst / base, "target": target,
+                     "met": None if base is None or target is None else worst / base <= target})
+    return rows
+
+
+def render(result: dict) -> str:
+    lines = [("Smoke run on a tiny model: measures nothing.\n\n" if result["smoke"] else "")
+             + f"`logra fit`, one GRPO step under logra_fsdp, rank 64, on gloo CPU processes; model "
+             f"{result['parameters'] / 1e9:.2f}B parameters ({result['parameters'] * 4 / GIB:.2f} GiB in float32). "
+             "Peak RSS of each rank over the whole run (sampled every 0.5 s), and the largest rank's peak over the "
+             "1-process peak of the same configuration.", "",
+             "| processes | KL reference | allocator | rank peaks (GiB) | largest / 1 process | target | seconds |",
+             "|---:|---|---|---|---:|---|---:|"]
+    for row in summarise(result):
+        ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}"
+        target = "" if row["target"] is None else f"<= {row['target']}: " + ("met" if row["met"] else "missed")
+        lines.append(f"| {row['world']} | {row['reference']} | {'tuned (default)' if row['tuned'] else 'glibc defaults'} | "
+                     f"{', '.join(f'{p:.2f}' for p in row['rank_peak_gib'])} | {ratio} | {target} | {row['seconds']:.0f} |")
+    lines += ["", f"Command: `{result['command']}`; code {result['code'].get('git_commit', '?')[:10]}"
+                  f"{' + local edits' if result['code'].get('lightning_logra_locally_modified') else ''}."]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    from .harness import pyplot, save_figure
+
+    plt = pyplot()
+    runs = result["runs"]
+    figure, axes = plt.subplots(1, len(runs), figsize=(4 * len(runs), 3.2), squeeze=False, sharey=True)
+    for axis, run in zip(axes[0], runs):
+        for rank in range(run["world"]):
+            points = [(t, rss) for t, r, rss in run["timeline"] if r == rank]
+            axis.plot([t for t, _ in points], [rss for _, rss in points], label=f"rank {rank}")
+        axis.set_title(f"{run['world']} proc, ref {run['reference']}, "
+                       f"{'tuned' if run['tuned'] else 'glibc default'}", fontsize=8)
+        axis.set_xlabel("seconds")
+    axes[0][0].set_ylabel("RSS (GiB)")
+    axes[0][0].legend(fontsize=7)
+    save_figure(figure, path, "Per-rank RSS over a whole 1-step logra fit")
+
+
+def main() -> None:
+    parser = argument_parser(__doc__)
+    parser.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--references", nargs="+", choices=["none", "bf16"], default=["none", "bf16"])
+    parser.add_argument("--untuned", action="store_true", help="also each configuration with glibc's defaults")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model: every code path, measuring nothing")
+    args = parser.parse_args()
+    if args.render:
+        write_outputs(args.out / "fit_memory", load_json(args.render), render, plot)
+        return
+    check_smoke_out(parser, args)
+    runs = []
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch) / "model"
+        parameters = write_model(folder, SMOKE_MODEL if args.smoke else FIT_MODEL)
+        for reference in args.references:
+            for world in sorted(set(args.worlds) | {1}):
+                for tuned in (True, False) if args.untuned else (True,):
+                    runs.append(measure(folder, world, reference, tuned))
+                    print(f"{world} processes, reference {reference}, {'tuned' if tuned else 'glibc defaults'}: "
+                          f"rank peaks {', '.join(f'{p:.2f}' for p in runs[-1]['rank_peak_gib'])} GiB", flush=True)
+    result = {"smoke": args.smoke, "command": command_line("fit_memory"), "machine": machine_info(),
+              "code": code_version(), "shape": SMOKE_MODEL if args.smoke else FIT_MODEL, "parameters": parameters,
+              "runs": runs}
+    save_json(args.out / "fit_memory.json", result)
+    write_outputs(args.out / "fit_memory", result, render, plot)
+
+
+if __name__ == "__main__":
+    main()
