@@ -11,16 +11,23 @@ library's allocator tuning (``lightning_logra.allocator``: on by default) or wit
 is the ``logra`` entry point (the reward functions' worker processes are left out).
 
 Target (issue 43): with the defaults, each rank's peak at most 0.8x the 1-process peak on 2
-processes and at most 0.6x on 4, with and without the reference. Run by hand::
+processes and at most 0.6x on 4, with and without the reference.
+
+``--step-time`` measures what the tuning costs in time instead (nothing else may run): the
+quickstart (``configs/quickstart.yaml``, 4 steps, no validation) with and without it,
+alternating, ``--repeats`` times each; seconds per step are the median gap between the
+MLflow timestamps of steps 2 to 4 (the first step warms up). Run by hand::
 
     python -m benchmarks.fit_memory                     # every configuration
     python -m benchmarks.fit_memory --worlds 1 2 --references none
+    python -m benchmarks.fit_memory --step-time --render benchmarks/results/fit_memory.json  # adds to it
     python -m benchmarks.fit_memory --smoke --out /tmp/fm
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -155,6 +162,23 @@ def measure(folder: Path, world: int, reference: str, tuned: bool) -> dict:
             "timeline": [(t, order.index(pid), rss / GIB) for t, pid, rss in timeline]}
 
 
+def step_seconds(tuned: bool, steps: int) -> float:
+    """The quickstart's median seconds per step (steps 2..``steps``), with or without the tuning."""
+    from .cli_runs import fresh_work, mlflow_environment, run_logra, timed_metric_history
+
+    work = fresh_work("fit_memory_step_time")
+    environment = mlflow_environment(work)
+    for variable in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "LIGHTNING_LOGRA_MALLOC_TUNING"):
+        environment.pop(variable, None)
+    if not tuned:
+        environment["LIGHTNING_LOGRA_MALLOC_TUNING"] = "0"
+    run_logra(["fit", "-c", "configs/quickstart.yaml", f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
+               f"--trainer.default_root_dir={work}", "--trainer.logger.init_args.run_name=timing"], environment,
+              work / "run.log")
+    clock = [c for _, _, c in timed_metric_history(work / "mlflow.db", "timing", "reward/mean")]
+    return statistics.median(b - a for a, b in zip(clock[1:], clock[2:]))
+
+
 def summarise(result: dict) -> list[dict]:
     rows = []
     for run in result["runs"]:
@@ -182,6 +206,14 @@ def render(result: dict) -> str:
         target = "" if row["target"] is None else f"<= {row['target']}: " + ("met" if row["met"] else "missed")
         lines.append(f"| {row['world']} | {row['reference']} | {'tuned (default)' if row['tuned'] else 'glibc defaults'} | "
                      f"{', '.join(f'{p:.2f}' for p in row['rank_peak_gib'])} | {ratio} | {target} | {row['seconds']:.0f} |")
+    timing = result.get("step_time")
+    if timing:
+        tuned, untuned = (statistics.median(timing[key]) for key in ("tuned", "untuned"))
+        lines += ["", f"Step time, the quickstart alone on this machine (`{timing['command']}`, alternating, "
+                      f"{len(timing['tuned'])} runs each): {tuned:.2f} s per step tuned, {untuned:.2f} s with glibc's "
+                      f"defaults (median of runs {', '.join(f'{t:.2f}' for t in timing['tuned'])} vs "
+                      f"{', '.join(f'{t:.2f}' for t in timing['untuned'])}): the tuning costs "
+                      f"{100 * (tuned / untuned - 1):+.1f}%."]
     lines += ["", f"Command: `{result['command']}`; code {result['code'].get('git_commit', '?')[:10]}"
                   f"{' + local edits' if result['code'].get('lightning_logra_locally_modified') else ''}."]
     return "\n".join(lines)
@@ -210,10 +242,23 @@ def main() -> None:
     parser.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--references", nargs="+", choices=["none", "bf16"], default=["none", "bf16"])
     parser.add_argument("--untuned", action="store_true", help="also each configuration with glibc's defaults")
+    parser.add_argument("--step-time", action="store_true", help="with --render: time the quickstart's step with and "
+                                                                     "without the tuning, added to that result")
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="a tiny model: every code path, measuring nothing")
     args = parser.parse_args()
     if args.render:
-        write_outputs(args.out / "fit_memory", load_json(args.render), render, plot)
+        result = load_json(args.render)
+        if args.step_time:
+            timing = {"command": command_line("fit_memory"), "code": code_version(), "tuned": [], "untuned": []}
+            for _ in range(args.repeats):
+                for tuned in (True, False):
+                    timing["tuned" if tuned else "untuned"].append(step_seconds(tuned, steps=4))
+                    print(f"{'tuned' if tuned else 'glibc defaults'}: {timing['tuned' if tuned else 'untuned'][-1]:.2f} "
+                          "s per step", flush=True)
+            result["step_time"] = timing
+            save_json(args.render, result)
+        write_outputs(args.out / "fit_memory", result, render, plot)
         return
     check_smoke_out(parser, args)
     runs = []

@@ -42,6 +42,8 @@ class JudgeReward:
             raise ValueError(f"judge {source!r}: the template must show the judge the {{completion}}")
         if batch_size < 1:
             raise ValueError(f"judge {source!r}: batch_size must be >= 1, got {batch_size}")
+        self.arguments = (source, template, verdicts, device if device is None else str(device), dtype, batch_size,
+                          max_new_tokens)
         self.source, self.template, self.batch_size = source, template, batch_size
         self.verdicts = {word.lower(): float(value) for word, value in verdicts.items()}
         self.pattern = re.compile(r"\b(" + "|".join(map(re.escape, self.verdicts)) + r")\b", re.IGNORECASE)
@@ -53,6 +55,11 @@ class JudgeReward:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()
         self.engine = HFRolloutEngine(model, self.tokenizer, max_new_tokens=max_new_tokens, do_sample=False)
+
+    def __reduce__(self):
+        # Pickled (a checkpoint's hyper-parameters hold the reward config) as its arguments,
+        # not its weights: loading rebuilds it, also under torch.load(weights_only=True).
+        return rebuild_judge, self.arguments
 
     def weight_bytes(self) -> int:
         """Its weights' bytes on its device (``StepSettings.reward_model_bytes``)."""
@@ -82,3 +89,12 @@ class JudgeReward:
         for start in range(0, len(questions), self.batch_size):
             answers += self.engine.generate(questions[start:start + self.batch_size]).completion_text
         return [self.verdict(answer) for answer in answers]
+
+
+def rebuild_judge(source: str, template: str, verdicts: dict[str, float], device: str | None, dtype: str | None,
+                  batch_size: int, max_new_tokens: int) -> JudgeReward:
+    return JudgeReward(source, template, verdicts, device=device, dtype=dtype, batch_size=batch_size,
+                       max_new_tokens=max_new_tokens)
+
+
+torch.serialization.add_safe_globals([rebuild_judge])

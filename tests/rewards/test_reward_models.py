@@ -122,5 +122,14 @@ def test_a_generative_judge_scores_the_first_verdict_word_of_its_greedy_answer(t
     unsure = JudgeReward(folder, "{completion}?", {"yes": 1.0, "no": 0.0}, device="cpu", max_new_tokens=4)
     scores = RewardRunner([unsure])(["4", "5"], prompts=["2 + 2?"] * 2)
     assert scores.per_function["judge_judge"] == [None, None] and scores.unscored == 2
+    # A checkpoint holds its arguments, not its weights, and loads it under weights_only.
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"functions": [judge]}, buffer)
+    assert buffer.tell() < 4096
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)["functions"][0]
+    assert loaded.arguments == judge.arguments and loaded(["4"], prompts=["2 + 2?"], answer=["4"]) == [1.0]
     with pytest.raises(ValueError, match="must show the judge the"):
         JudgeReward(folder, "{prompt}", device="cpu")
