@@ -76,6 +76,12 @@ def check_arguments(loss: LossConfig, rollout: RolloutConfig, lora: LoRAConfig |
     check.require("rollout.num_generations", loss.type == "reinforce_baseline" or generations >= 2,
                   f">= 2 with loss.type = {loss.type!r} (group advantages)")
     check.require("rollout.engine", lora is None or engine != "vllm", "'hf' with lora: vLLM would need merged weights")
+    weighted = loss.type == "reinforce_baseline" or (loss.tis if loss.tis is not None else engine == "vllm")
+    for name, default in (("importance_sampling_mode", "token_truncate"), ("tis_min", None)):
+        if getattr(loss, name) != default and not weighted:
+            # Without importance sampling the option would change nothing: say so rather than ignore it.
+            raise ValueError(f"GRPOModule.loss.{name} = {getattr(loss, name)!r} has no effect: importance sampling is "
+                             f"off (loss.tis = {loss.tis!r}, rollout.engine = {engine!r}); set loss.tis: true")
 
 
 def micro_batching(loss: LossConfig, rollout: RolloutConfig, batching: BatchingConfig) -> MicroBatching:

@@ -366,3 +366,10 @@ def test_the_authors_success_threshold_maps_fractional_rewards_to_failures(model
             assert grpo.baseline.value > 0 and logged[0]["reward/mean"] > 0
         else:
             assert grpo.baseline.value == pytest.approx(-0.001)
+
+
+def test_an_importance_sampling_option_without_importance_sampling_is_refused(model_folder):
+    with pytest.raises(ValueError, match=r"loss.importance_sampling_mode = 'sequence_mask' has no effect: importance "
+                                         r"sampling is off \(loss.tis = None, rollout.engine = 'hf'\)"):
+        grpo_module(model_folder, loss=LossConfig(importance_sampling_mode="sequence_mask"))
+    grpo_module(model_folder, loss=LossConfig(type="reinforce_baseline", tis_min=0.5))  # always weighted: accepted
