@@ -179,6 +179,28 @@ def step_seconds(tuned: bool, steps: int) -> float:
     return statistics.median(b - a for a, b in zip(clock[1:], clock[2:]))
 
 
+# What one micro-batch holds: GRPOModule's default 4 rows, each a chat-rendered arithmetic:1
+# prompt of the byte tokenizer (about 60 tokens) and 16 new tokens.
+MICRO_BATCH_TOKENS = 4 * (60 + 16)
+
+
+def predicted_gib(shape: dict, world: int, reference: str, baseline_gib: float) -> float:
+    """A rank's predicted peak: the process with its imports (``baseline_gib``, measured: the
+    1-process peak of the same run on a tiny model) plus ``planning.step_memory``'s peak."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_logra import LoGRAConfig
+    from lightning_logra.planning import StepSettings, step_memory
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**shape))
+    settings = StepSettings(method="logra", tokens=MICRO_BATCH_TOKENS, row_tokens=MICRO_BATCH_TOKENS // 4,
+                            world_size=world, logra=LoGRAConfig(rank=64), reference=reference == "bf16",
+                            compute_dtype=torch.bfloat16 if reference == "bf16" else torch.float32)
+    return baseline_gib + step_memory(model, settings).peak / GIB
+
+
 def summarise(result: dict) -> list[dict]:
     rows = []
     for run in result["runs"]:
@@ -187,9 +209,14 @@ def summarise(result: dict) -> list[dict]:
         base = None if single is None else single["rank_peak_gib"][0]
         worst = max(run["rank_peak_gib"])
         target = TARGETS.get(run["world"])
+        predicted = (predicted_gib(result["shape"], run["world"], run["reference"], result["baseline_gib"])
+                     if run["tuned"] and result.get("baseline_gib") else None)
         rows.append({**{k: run[k] for k in ("world", "reference", "tuned", "seconds", "rank_peak_gib")},
                      "ratio": None if base is None else worst / base, "target": target,
-                     "met": None if base is None or target is None else worst / base <= target})
+                     "met": None if base is None or target is None else worst / base <= target,
+                     "predicted_gib": predicted,
+                     "prediction_error": None if predicted is None else max(abs(p / predicted - 1)
+                                                                            for p in run["rank_peak_gib"])})
     return rows
 
 
@@ -199,13 +226,21 @@ def render(result: dict) -> str:
              f"{result['parameters'] / 1e9:.2f}B parameters ({result['parameters'] * 4 / GIB:.2f} GiB in float32). "
              "Peak RSS of each rank over the whole run (sampled every 0.5 s), and the largest rank's peak over the "
              "1-process peak of the same configuration.", "",
-             "| processes | KL reference | allocator | rank peaks (GiB) | largest / 1 process | target | seconds |",
-             "|---:|---|---|---|---:|---|---:|"]
+             f"Predicted: the process with its imports ({result.get('baseline_gib') or 0:.2f} GiB, the peak of the same "
+             "1-process run on a tiny model) plus `planning.step_memory`'s step peak; target: within 15% of every "
+             "rank's measured peak (tuned runs).", "",
+             "| processes | KL reference | allocator | rank peaks (GiB) | largest / 1 process | target | predicted (GiB) "
+             "| largest error | seconds |",
+             "|---:|---|---|---|---:|---|---:|---|---:|"]
     for row in summarise(result):
         ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}"
         target = "" if row["target"] is None else f"<= {row['target']}: " + ("met" if row["met"] else "missed")
+        predicted = "" if row["predicted_gib"] is None else f"{row['predicted_gib']:.2f}"
+        error = "" if row["prediction_error"] is None else (
+            f"{100 * row['prediction_error']:.0f}% ({'met' if row['prediction_error'] <= 0.15 else 'missed'})")
         lines.append(f"| {row['world']} | {row['reference']} | {'tuned (default)' if row['tuned'] else 'glibc defaults'} | "
-                     f"{', '.join(f'{p:.2f}' for p in row['rank_peak_gib'])} | {ratio} | {target} | {row['seconds']:.0f} |")
+                     f"{', '.join(f'{p:.2f}' for p in row['rank_peak_gib'])} | {ratio} | {target} | {predicted} | "
+                     f"{error} | {row['seconds']:.0f} |")
     timing = result.get("step_time")
     if timing:
         tuned, untuned = (statistics.median(timing[key]) for key in ("tuned", "untuned"))
@@ -245,6 +280,8 @@ def main() -> None:
     parser.add_argument("--step-time", action="store_true", help="with --render: time the quickstart's step with and "
                                                                      "without the tuning, added to that result")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--add-baseline", action="store_true", help="with --render: measure the process with its "
+                                                                       "imports (for the predictions) and add it")
     parser.add_argument("--smoke", action="store_true", help="a tiny model: every code path, measuring nothing")
     args = parser.parse_args()
     if args.render:
@@ -257,6 +294,12 @@ def main() -> None:
                     print(f"{'tuned' if tuned else 'glibc defaults'}: {timing['tuned' if tuned else 'untuned'][-1]:.2f} "
                           "s per step", flush=True)
             result["step_time"] = timing
+        if args.add_baseline:
+            with tempfile.TemporaryDirectory() as scratch:
+                write_model(Path(scratch) / "tiny", SMOKE_MODEL)
+                result["baseline_gib"] = measure(Path(scratch) / "tiny", 1, "none", True)["rank_peak_gib"][0]
+                result["baseline_command"] = command_line("fit_memory")
+        if args.step_time or args.add_baseline:
             save_json(args.render, result)
         write_outputs(args.out / "fit_memory", result, render, plot)
         return
@@ -265,6 +308,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "model"
         parameters = write_model(folder, SMOKE_MODEL if args.smoke else FIT_MODEL)
+        write_model(Path(scratch) / "tiny", SMOKE_MODEL)
+        baseline = measure(Path(scratch) / "tiny", 1, "none", True)["rank_peak_gib"][0]
+        print(f"the process with its imports (a tiny model, 1 process): {baseline:.2f} GiB", flush=True)
         for reference in args.references:
             for world in sorted(set(args.worlds) | {1}):
                 for tuned in (True, False) if args.untuned else (True,):
@@ -273,7 +319,7 @@ def main() -> None:
                           f"rank peaks {', '.join(f'{p:.2f}' for p in runs[-1]['rank_peak_gib'])} GiB", flush=True)
     result = {"smoke": args.smoke, "command": command_line("fit_memory"), "machine": machine_info(),
               "code": code_version(), "shape": SMOKE_MODEL if args.smoke else FIT_MODEL, "parameters": parameters,
-              "runs": runs}
+              "baseline_gib": baseline, "runs": runs}
     save_json(args.out / "fit_memory.json", result)
     write_outputs(args.out / "fit_memory", result, render, plot)
 
