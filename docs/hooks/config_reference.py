@@ -62,6 +62,9 @@ SECTIONS = (
             "YAML `model.init_args.optimizer`; Python `GRPOModule(optimizer=OptimizerConfig(...))`"),
     Section("lightning_logra.rewards.config:RewardConfig",
             "YAML `model.init_args.reward`; Python `GRPOModule(reward=RewardConfig(...))`"),
+    Section("lightning_logra.rollout.judge:JudgeReward",
+            "YAML an entry of `model.init_args.reward.functions` with `class_path` and `init_args`; Python "
+            "`RewardConfig(functions=[JudgeReward(...)])`"),
     Section("lightning_logra.rl.config:BatchingConfig",
             "YAML `model.init_args.batching`; Python `GRPOModule(batching=BatchingConfig(...))`"),
     Section("lightning_logra.rl.config:LoggingConfig",

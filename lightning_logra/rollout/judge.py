@@ -33,6 +33,16 @@ class JudgeReward:
     def __init__(self, source: str, template: str, verdicts: dict[str, float] | None = None, *,
                  device: str | torch.device | None = None, dtype: str | None = None, batch_size: int = 16,
                  max_new_tokens: int = 8) -> None:
+        """
+        Args:
+            source: the judge's Hugging Face folder, hub id or built-in model name.
+            template: the question, with ``{completion}`` and optionally ``{prompt}`` and row columns.
+            verdicts: words the answer may give and their rewards; default ``{"yes": 1.0, "no": 0.0}``.
+            device: where it runs; None: the current GPU, else the CPU.
+            dtype: ``float32``, ``bfloat16`` or ``float16``; None: bfloat16 on a GPU, float32 on a CPU.
+            batch_size: questions per ``generate`` call.
+            max_new_tokens: the most tokens an answer may take.
+        """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         verdicts = {"yes": 1.0, "no": 0.0} if verdicts is None else verdicts
