@@ -259,16 +259,20 @@ def plot(result: dict, path: Path) -> None:
 
     plt = pyplot()
     runs = result["runs"]
-    figure, axes = plt.subplots(1, len(runs), figsize=(4 * len(runs), 3.2), squeeze=False, sharey=True)
-    for axis, run in zip(axes[0], runs):
+    columns = len({run["world"] for run in runs})  # one row per (reference, allocator), one column per world size
+    rows = -(-len(runs) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(4 * columns, 2.8 * rows), squeeze=False, sharey=True)
+    ordered = sorted(runs, key=lambda run: (run["reference"], not run["tuned"], run["world"]))
+    for axis, run in zip(axes.flat, ordered):
         for rank in range(run["world"]):
             points = [(t, rss) for t, r, rss in run["timeline"] if r == rank]
             axis.plot([t for t, _ in points], [rss for _, rss in points], label=f"rank {rank}")
         axis.set_title(f"{run['world']} proc, ref {run['reference']}, "
                        f"{'tuned' if run['tuned'] else 'glibc default'}", fontsize=8)
         axis.set_xlabel("seconds")
-    axes[0][0].set_ylabel("RSS (GiB)")
-    axes[0][0].legend(fontsize=7)
+    for row in axes:
+        row[0].set_ylabel("RSS (GiB)")
+    axes[-1][-1].legend(fontsize=7)
     save_figure(figure, path, "Per-rank RSS over a whole 1-step logra fit")
 
 
