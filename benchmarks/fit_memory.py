@@ -5,22 +5,25 @@ A random Llama-architecture model of 0.43B parameters (``FIT_MODEL``: tied embed
 1.6 GiB in float32) is written once as sharded safetensors with a byte-level tokenizer.
 Each run is ``logra fit`` of one GRPO step under ``logra_fsdp`` (LoGRA rank 64, the arithmetic
 task, 2 prompts x 2 samples of 16 new tokens per rank, no validation, MLflow and
-checkpointing off), with no KL reference or a bfloat16 one (``bf16-mixed``), and with the
-library's allocator tuning (``lightning_logra.allocator``: on by default) or without it
-(``LIGHTNING_LOGRA_MALLOC_TUNING=0``, glibc's defaults). A rank is a process whose command
-is the ``logra`` entry point (the reward functions' worker processes are left out).
+checkpointing off), with no KL reference or a bfloat16 one (``bf16-mixed``), under one of
+``ALLOCATORS``: the library's tuning as it is (``library``: ``lightning_logra.allocator``, on by
+default), glibc's defaults (``glibc``: ``LIGHTNING_LOGRA_MALLOC_TUNING=0``), or glibc's
+settings fixed by hand (two arenas; mmap thresholds from 64 KiB to 4 MiB). A rank is a
+process whose command is the ``logra`` entry point (the reward functions' worker processes
+are left out).
 
 Target (issue 43): with the defaults, each rank's peak at most 0.8x the 1-process peak on 2
 processes and at most 0.6x on 4, with and without the reference.
 
-``--step-time`` measures what the tuning costs in time instead (nothing else may run): the
-quickstart (``configs/quickstart.yaml``, 4 steps, no validation) with and without it,
-alternating, ``--repeats`` times each; seconds per step are the median gap between the
-MLflow timestamps of steps 2 to 4 (the first step warms up). Run by hand::
+``--step-time`` measures what each allocator setting costs in time instead (nothing else
+may run): the quickstart (``configs/quickstart.yaml``, 4 steps, no validation) under each of
+``--allocators`` in turn, ``--repeats`` rounds; seconds per step are the median gap between
+the MLflow timestamps of steps 2 to 4 (the first step warms up). Run by hand::
 
-    python -m benchmarks.fit_memory                     # every configuration
-    python -m benchmarks.fit_memory --worlds 1 2 --references none
-    python -m benchmarks.fit_memory --step-time --render benchmarks/results/fit_memory.json  # adds to it
+    python -m benchmarks.fit_memory --allocators library glibc     # every world and reference
+    python -m benchmarks.fit_memory --worlds 1 2 --references none --allocators mmap64k mmap1m
+    python -m benchmarks.fit_memory --step-time --allocators library glibc mmap64k \
+        --render benchmarks/results/fit_memory.json                # adds to it
     python -m benchmarks.fit_memory --smoke --out /tmp/fm
 """
 
@@ -44,6 +47,25 @@ FIT_MODEL = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 4096
 SMOKE_MODEL = {**FIT_MODEL, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
 TARGETS = {2: 0.8, 4: 0.6}
+# Allocator settings a run can use, as the environment it starts with. "library" is whatever
+# lightning_logra.allocator does by default; the others fix glibc's settings by hand.
+TUNING_OFF = {"LIGHTNING_LOGRA_MALLOC_TUNING": "0"}
+ALLOCATORS = {
+    "library": {},
+    "glibc": TUNING_OFF,
+    "arena2": {**TUNING_OFF, "MALLOC_ARENA_MAX": "2"},
+    "mmap64k": {**TUNING_OFF, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536"},
+    "mmap1m": {**TUNING_OFF, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "1048576"},
+    "mmap2m": {**TUNING_OFF, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "2097152"},
+    "mmap4m": {**TUNING_OFF, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "4194304"},
+}
+ALLOCATOR_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "LIGHTNING_LOGRA_MALLOC_TUNING")
+
+
+def allocator_environment(environment: dict, allocator: str) -> dict:
+    """``environment`` with this shell's allocator settings replaced by ``allocator``'s."""
+    clean = {k: v for k, v in environment.items() if k not in ALLOCATOR_VARIABLES}
+    return {**clean, **ALLOCATORS[allocator]}
 SAMPLE_S = 0.5
 
 
@@ -116,19 +138,14 @@ def rank_processes(root) -> list:
     return found
 
 
-def measure(folder: Path, world: int, reference: str, tuned: bool) -> dict:
+def measure(folder: Path, world: int, reference: str, allocator: str = "library") -> dict:
     """One ``logra fit`` on ``world`` processes; each rank's peak RSS and the timeline."""
     import psutil
 
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         (work / "config.yaml").write_text(config_text(folder, work, reference))
-        environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-        environment.pop("LIGHTNING_LOGRA_MALLOC_TUNING", None)
-        for variable in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX"):  # the library decides, not this shell
-            environment.pop(variable, None)
-        if not tuned:
-            environment["LIGHTNING_LOGRA_MALLOC_TUNING"] = "0"
+        environment = allocator_environment({**os.environ, "OMP_NUM_THREADS": "1"}, allocator)
         started = time.perf_counter()
         process = subprocess.Popen([sys.executable, "-m", "lightning_logra.cli", "fit",
                                     "-c", str(work / "config.yaml"), f"--trainer.devices={world}"],
@@ -157,21 +174,17 @@ def measure(folder: Path, world: int, reference: str, tuned: bool) -> dict:
     if len(peaks) != world:
         raise SystemExit(f"found {len(peaks)} rank processes for {world} ranks")
     order = sorted(peaks, key=lambda pid: (pid != process.pid, pid))  # the launcher (rank 0) first
-    return {"world": world, "reference": reference, "tuned": tuned, "seconds": time.perf_counter() - started,
+    return {"world": world, "reference": reference, "allocator": allocator, "seconds": time.perf_counter() - started,
             "rank_peak_gib": [peaks[pid] / GIB for pid in order],
             "timeline": [(t, order.index(pid), rss / GIB) for t, pid, rss in timeline]}
 
 
-def step_seconds(tuned: bool, steps: int) -> float:
-    """The quickstart's median seconds per step (steps 2..``steps``), with or without the tuning."""
+def step_seconds(allocator: str, steps: int) -> float:
+    """The quickstart's median seconds per step (steps 2..``steps``) with ``allocator``'s settings."""
     from .cli_runs import fresh_work, mlflow_environment, run_logra, timed_metric_history
 
     work = fresh_work("fit_memory_step_time")
-    environment = mlflow_environment(work)
-    for variable in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "LIGHTNING_LOGRA_MALLOC_TUNING"):
-        environment.pop(variable, None)
-    if not tuned:
-        environment["LIGHTNING_LOGRA_MALLOC_TUNING"] = "0"
+    environment = allocator_environment(mlflow_environment(work), allocator)
     run_logra(["fit", "-c", "configs/quickstart.yaml", f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
                f"--trainer.default_root_dir={work}", "--trainer.logger.init_args.run_name=timing"], environment,
               work / "run.log")
@@ -205,13 +218,13 @@ def summarise(result: dict) -> list[dict]:
     rows = []
     for run in result["runs"]:
         single = next((r for r in result["runs"] if r["world"] == 1 and r["reference"] == run["reference"]
-                       and r["tuned"] == run["tuned"]), None)
+                       and r["allocator"] == run["allocator"] and r["code"] == run["code"]), None)
         base = None if single is None else single["rank_peak_gib"][0]
         worst = max(run["rank_peak_gib"])
         target = TARGETS.get(run["world"])
         predicted = (predicted_gib(result["shape"], run["world"], run["reference"], result["baseline_gib"])
-                     if run["tuned"] and result.get("baseline_gib") else None)
-        rows.append({**{k: run[k] for k in ("world", "reference", "tuned", "seconds", "rank_peak_gib")},
+                     if run["allocator"] != "glibc" and result.get("baseline_gib") else None)
+        rows.append({**{k: run[k] for k in ("world", "reference", "allocator", "code", "seconds", "rank_peak_gib")},
                      "ratio": None if base is None else worst / base, "target": target,
                      "met": None if base is None or target is None else worst / base <= target,
                      "predicted_gib": predicted,
@@ -220,37 +233,59 @@ def summarise(result: dict) -> list[dict]:
     return rows
 
 
+ALLOCATOR_LABELS = {"library": "the library's tuning (default)", "glibc": "glibc's defaults",
+                    "trim": "2 arenas, malloc_trim between phases",
+                    "mmap4m_trim": "2 arenas, mmap >= 4 MiB, malloc_trim between phases",
+                    "arena2": "2 arenas", "mmap64k": "2 arenas, mmap >= 64 KiB", "mmap1m": "2 arenas, mmap >= 1 MiB",
+                    "mmap2m": "2 arenas, mmap >= 2 MiB", "mmap4m": "2 arenas, mmap >= 4 MiB"}
+
+
+def allocator_label(name: str) -> str:
+    return ALLOCATOR_LABELS.get(name, name)
+
+
 def render(result: dict) -> str:
     lines = [("Smoke run on a tiny model: measures nothing.\n\n" if result["smoke"] else "")
              + f"`logra fit`, one GRPO step under logra_fsdp, rank 64, on gloo CPU processes; model "
              f"{result['parameters'] / 1e9:.2f}B parameters ({result['parameters'] * 4 / GIB:.2f} GiB in float32). "
              "Peak RSS of each rank over the whole run (sampled every 0.5 s), and the largest rank's peak over the "
-             "1-process peak of the same configuration.", "",
+             "1-process peak of the same configuration and code.", "",
              f"Predicted: the process with its imports ({result.get('baseline_gib') or 0:.2f} GiB, the peak of the same "
              "1-process run on a tiny model) plus `planning.step_memory`'s step peak; target: within 15% of every "
-             "rank's measured peak (tuned runs).", "",
-             "| processes | KL reference | allocator | rank peaks (GiB) | largest / 1 process | target | predicted (GiB) "
-             "| largest error | seconds |",
-             "|---:|---|---|---|---:|---|---:|---|---:|"]
+             "rank's measured peak.", "",
+             "| processes | KL reference | allocator | code | rank peaks (GiB) | largest / 1 process | target "
+             "| predicted (GiB) | largest error | seconds |",
+             "|---:|---|---|---|---|---:|---|---:|---|---:|"]
     for row in summarise(result):
         ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}"
         target = "" if row["target"] is None else f"<= {row['target']}: " + ("met" if row["met"] else "missed")
         predicted = "" if row["predicted_gib"] is None else f"{row['predicted_gib']:.2f}"
         error = "" if row["prediction_error"] is None else (
             f"{100 * row['prediction_error']:.0f}% ({'met' if row['prediction_error'] <= 0.15 else 'missed'})")
-        lines.append(f"| {row['world']} | {row['reference']} | {'tuned (default)' if row['tuned'] else 'glibc defaults'} | "
-                     f"{', '.join(f'{p:.2f}' for p in row['rank_peak_gib'])} | {ratio} | {target} | {predicted} | "
-                     f"{error} | {row['seconds']:.0f} |")
-    timing = result.get("step_time")
-    if timing:
-        tuned, untuned = (statistics.median(timing[key]) for key in ("tuned", "untuned"))
-        lines += ["", f"Step time, the quickstart alone on this machine (`{timing['command']}`, alternating, "
-                      f"{len(timing['tuned'])} runs each): {tuned:.2f} s per step tuned, {untuned:.2f} s with glibc's "
-                      f"defaults (median of runs {', '.join(f'{t:.2f}' for t in timing['tuned'])} vs "
-                      f"{', '.join(f'{t:.2f}' for t in timing['untuned'])}): the tuning costs "
-                      f"{100 * (tuned / untuned - 1):+.1f}%."]
-    lines += ["", f"Command: `{result['command']}`; code {result['code'].get('git_commit', '?')[:10]}"
-                  f"{' + local edits' if result['code'].get('lightning_logra_locally_modified') else ''}."]
+        lines.append(f"| {row['world']} | {row['reference']} | {allocator_label(row['allocator'])} | "
+                     f"{str(row['code'].get('git_commit'))[:7]} | {', '.join(f'{p:.2f}' for p in row['rank_peak_gib'])} "
+                     f"| {ratio} | {target} | {predicted} | {error} | {row['seconds']:.0f} |")
+    for timing in result.get("step_time", []):
+        medians = {name: statistics.median(times) for name, times in timing["seconds"].items()}
+        glibc = medians.get("glibc")
+        lines += ["", f"Step time, the quickstart alone on this machine ({timing['note'] + '; ' if timing.get('note') else ''}"
+                      f"`{timing['command']}`, code {str(timing['code'].get('git_commit'))[:7]}"
+                      f"{' + local edits' if timing['code'].get('lightning_logra_locally_modified') else ''}), "
+                      "median seconds per step (each run's):", "",
+                  "| allocator | s per step | runs | against glibc's defaults |", "|---|---:|---|---:|"]
+        for name, median in medians.items():
+            against = "" if glibc is None or name == "glibc" else f"{100 * (median / glibc - 1):+.1f}%"
+            lines.append(f"| {allocator_label(name)} | {median:.2f} | "
+                         f"{', '.join(f'{t:.2f}' for t in timing['seconds'][name])} | {against} |")
+    study = result.get("allocator_study")
+    if study:
+        lines += ["", f"Allocator settings explored ({study['note']}): peak RSS in GiB.", "",
+                  "| allocator | 1 process | 2 processes, per rank | largest / 1 process |", "|---|---:|---|---:|"]
+        for name, peaks in study["rank_peak_gib"].items():
+            lines.append(f"| {allocator_label(name)} | {peaks['1'][0]:.2f} | {', '.join(f'{p:.2f}' for p in peaks['2'])} "
+                         f"| {max(peaks['2']) / peaks['1'][0]:.2f} |")
+    lines += ["", "Commands: " + "; ".join(sorted({f"`{run_command}`" for run_command in
+                                                 [result["command"], *result.get("commands", [])]})) + "."]
     return "\n".join(lines)
 
 
@@ -262,13 +297,13 @@ def plot(result: dict, path: Path) -> None:
     columns = len({run["world"] for run in runs})  # one row per (reference, allocator), one column per world size
     rows = -(-len(runs) // columns)
     figure, axes = plt.subplots(rows, columns, figsize=(4 * columns, 2.8 * rows), squeeze=False, sharey=True)
-    ordered = sorted(runs, key=lambda run: (run["reference"], not run["tuned"], run["world"]))
+    ordered = sorted(runs, key=lambda run: (run["reference"], run["allocator"], run["world"]))
     for axis, run in zip(axes.flat, ordered):
         for rank in range(run["world"]):
             points = [(t, rss) for t, r, rss in run["timeline"] if r == rank]
             axis.plot([t for t, _ in points], [rss for _, rss in points], label=f"rank {rank}")
         axis.set_title(f"{run['world']} proc, ref {run['reference']}, "
-                       f"{'tuned' if run['tuned'] else 'glibc default'}", fontsize=8)
+                       f"{run['allocator']} @{str(run['code'].get('git_commit'))[:7]}", fontsize=8)
         axis.set_xlabel("seconds")
     for row in axes:
         row[0].set_ylabel("RSS (GiB)")
@@ -276,13 +311,23 @@ def plot(result: dict, path: Path) -> None:
     save_figure(figure, path, "Per-rank RSS over a whole 1-step logra fit")
 
 
+def timed_allocators(names: list[str], repeats: int) -> dict:
+    """Seconds per quickstart step under each allocator setting, in turn, ``repeats`` rounds."""
+    timing = {"command": command_line("fit_memory"), "code": code_version(), "seconds": {name: [] for name in names}}
+    for _ in range(repeats):
+        for name in names:
+            timing["seconds"][name].append(step_seconds(name, steps=4))
+            print(f"{name}: {timing['seconds'][name][-1]:.2f} s per step", flush=True)
+    return timing
+
+
 def main() -> None:
     parser = argument_parser(__doc__)
     parser.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--references", nargs="+", choices=["none", "bf16"], default=["none", "bf16"])
-    parser.add_argument("--untuned", action="store_true", help="also each configuration with glibc's defaults")
-    parser.add_argument("--step-time", action="store_true", help="with --render: time the quickstart's step with and "
-                                                                     "without the tuning, added to that result")
+    parser.add_argument("--allocators", nargs="+", choices=sorted(ALLOCATORS), default=["library"])
+    parser.add_argument("--step-time", action="store_true", help="with --render: time the quickstart's step under "
+                                                                     "each of --allocators, added to that result")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--add-baseline", action="store_true", help="with --render: measure the process with its "
                                                                        "imports (for the predictions) and add it")
@@ -291,42 +336,44 @@ def main() -> None:
     if args.render:
         result = load_json(args.render)
         if args.step_time:
-            timing = {"command": command_line("fit_memory"), "code": code_version(), "tuned": [], "untuned": []}
-            for _ in range(args.repeats):
-                for tuned in (True, False):
-                    timing["tuned" if tuned else "untuned"].append(step_seconds(tuned, steps=4))
-                    print(f"{'tuned' if tuned else 'glibc defaults'}: {timing['tuned' if tuned else 'untuned'][-1]:.2f} "
-                          "s per step", flush=True)
-            result["step_time"] = timing
+            result.setdefault("step_time", []).append(timed_allocators(args.allocators, args.repeats))
         if args.add_baseline:
             with tempfile.TemporaryDirectory() as scratch:
                 write_model(Path(scratch) / "tiny", SMOKE_MODEL)
-                result["baseline_gib"] = measure(Path(scratch) / "tiny", 1, "none", True)["rank_peak_gib"][0]
+                result["baseline_gib"] = measure(Path(scratch) / "tiny", 1, "none")["rank_peak_gib"][0]
                 result["baseline_command"] = command_line("fit_memory")
         if args.step_time or args.add_baseline:
             save_json(args.render, result)
         write_outputs(args.out / "fit_memory", result, render, plot)
         return
     check_smoke_out(parser, args)
+    path = args.out / "fit_memory.json"
+    result = load_json(path) if path.exists() else None  # new runs are added to the runs already there
+    if result is not None and result["smoke"] != args.smoke:
+        parser.error(f"{path} holds {'smoke' if result['smoke'] else 'measured'} runs; --out elsewhere")
+    command, code = command_line("fit_memory"), code_version()
     runs = []
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "model"
         parameters = write_model(folder, SMOKE_MODEL if args.smoke else FIT_MODEL)
         write_model(Path(scratch) / "tiny", SMOKE_MODEL)
-        baseline = measure(Path(scratch) / "tiny", 1, "none", True)["rank_peak_gib"][0]
+        baseline = measure(Path(scratch) / "tiny", 1, "none")["rank_peak_gib"][0]
         print(f"the process with its imports (a tiny model, 1 process): {baseline:.2f} GiB", flush=True)
         for reference in args.references:
             for world in sorted(set(args.worlds) | {1}):
-                for tuned in (True, False) if args.untuned else (True,):
-                    runs.append(measure(folder, world, reference, tuned))
-                    print(f"{world} processes, reference {reference}, {'tuned' if tuned else 'glibc defaults'}: "
+                for allocator in args.allocators:
+                    runs.append({**measure(folder, world, reference, allocator), "code": code, "command": command})
+                    print(f"{world} processes, reference {reference}, {allocator}: "
                           f"rank peaks {', '.join(f'{p:.2f}' for p in runs[-1]['rank_peak_gib'])} GiB", flush=True)
-    result = {"smoke": args.smoke, "command": command_line("fit_memory"), "machine": machine_info(),
-              "code": code_version(), "shape": SMOKE_MODEL if args.smoke else FIT_MODEL, "parameters": parameters,
-              "baseline_gib": baseline, "runs": runs}
-    save_json(args.out / "fit_memory.json", result)
+    if result is None:
+        result = {"smoke": args.smoke, "command": command, "machine": machine_info(), "code": code,
+                  "shape": SMOKE_MODEL if args.smoke else FIT_MODEL, "parameters": parameters, "runs": []}
+    else:
+        result.setdefault("commands", []).append(command)
+    result["baseline_gib"] = baseline
+    result["runs"] += runs
+    save_json(path, result)
     write_outputs(args.out / "fit_memory", result, render, plot)
-
 
 if __name__ == "__main__":
     main()

@@ -223,6 +223,12 @@ def main() -> None:
     part = {"command": command_line("frontier"), "machine": machine_info(), "code": code_version(),
             "load_before": os.getloadavg()}
     protocol = Protocol(result, path, args.jobs)
+    # The part is recorded before its first run, so a part cut off (a machine restart) still
+    # names the command and commit of the runs it added; runtime_s stays None then.
+    part["runtime_s"] = None
+    with protocol.lock:
+        result["parts"].append(part)
+        save_json(path, result)
     started = time.perf_counter()
     tasks = ["addition"] if args.long else [args.task] if args.task else list(TASKS)  # long runs: addition only
     for task in tasks:
@@ -241,7 +247,6 @@ def main() -> None:
         sweep = [(m, v, s) for s in seeds for m in args.methods for v in (SWEEPS[m][1:2] if args.smoke else SWEEPS[m])]
         protocol.train(runner, sweep, "sweep")
     part["runtime_s"], part["load_after"] = time.perf_counter() - started, os.getloadavg()
-    result["parts"].append(part)
     save_json(path, result)
     write_outputs(stem, result, render, plot)
 

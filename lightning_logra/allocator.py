@@ -6,10 +6,15 @@ every phase of a step (loading, generation, forward and backward, the update) lo
 the tensors are gone; with several ranks per machine each keeps its own. The issue 43
 measurement: a 1-step ``logra fit`` of a 0.42B model peaked at 2.7 GiB on 1 process and 3.4
 GiB per rank on 2; with ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_ARENA_MAX=2`` at 2.27 and
-1.84-1.90 GiB. ``tune_glibc_malloc`` sets those two values through ``mallopt`` in this
-process and in the environment that ranks started later inherit (glibc reads it at their
-start). A value the user set in the environment is left as it is; ``LIGHTNING_LOGRA_MALLOC_TUNING=0``
-turns the tuning off. Other C libraries (musl, macOS) are left alone.
+1.84-1.90 GiB. A 64 KiB threshold sends every activation-sized block to mmap, though, and
+its page faults cost the quickstart about 35% of its step time; at 4 MiB the step time is
+within run-to-run noise of glibc's defaults and the 2-process ranks still peak 24% lower
+(``benchmarks/results/fit_memory.md`` has the sweep over thresholds). ``tune_glibc_malloc``
+sets a 4 MiB threshold and two arenas through ``mallopt`` in this process and in the
+environment that ranks started later inherit (glibc reads it at their start). A value the
+user set in the environment is left as it is (``MALLOC_MMAP_THRESHOLD_=65536`` for the
+tightest memory); ``LIGHTNING_LOGRA_MALLOC_TUNING=0`` turns the tuning off. Other C
+libraries (musl, macOS) are left alone.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import platform
 
 OPT_OUT = "LIGHTNING_LOGRA_MALLOC_TUNING"
 # Environment variable -> (mallopt parameter number in glibc's malloc.h, value).
-SETTINGS = {"MALLOC_MMAP_THRESHOLD_": (-3, 65536), "MALLOC_ARENA_MAX": (-8, 2)}
+SETTINGS = {"MALLOC_MMAP_THRESHOLD_": (-3, 4 * 2**20), "MALLOC_ARENA_MAX": (-8, 2)}
 
 
 def tune_glibc_malloc() -> dict[str, int]:
@@ -37,3 +42,4 @@ def tune_glibc_malloc() -> dict[str, int]:
             os.environ[variable] = str(value)
             applied[variable] = value
     return applied
+

@@ -27,12 +27,12 @@ def call(**environment) -> list:
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the tuning applies where glibc is the C library")
 def test_the_tuning_is_applied_once_and_inherited_by_later_processes():
     first, second, threshold, arenas = call()
-    assert first == {"MALLOC_MMAP_THRESHOLD_": 65536, "MALLOC_ARENA_MAX": 2} and second == {}
-    assert (threshold, arenas) == ("65536", "2")  # what ranks started later read at their start
+    assert first == {"MALLOC_MMAP_THRESHOLD_": 4194304, "MALLOC_ARENA_MAX": 2} and second == {}
+    assert (threshold, arenas) == ("4194304", "2")  # what ranks started later read at their start
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the tuning applies where glibc is the C library")
 def test_the_users_own_setting_wins_and_the_tuning_can_be_turned_off():
     first, _, threshold, arenas = call(MALLOC_ARENA_MAX="8")
-    assert first == {"MALLOC_MMAP_THRESHOLD_": 65536} and (threshold, arenas) == ("65536", "8")
+    assert first == {"MALLOC_MMAP_THRESHOLD_": 4194304} and (threshold, arenas) == ("4194304", "8")
     assert call(LIGHTNING_LOGRA_MALLOC_TUNING="0") == [{}, {}, None, None]

@@ -18,9 +18,9 @@ TOLERANCE = 0.15
 @pytest.mark.distributed
 def test_each_rank_of_a_two_process_fit_stays_within_its_predicted_share(tmp_path):
     write_model(tmp_path / "tiny", SMOKE_MODEL)
-    baseline = measure(tmp_path / "tiny", 1, "none", tuned=True)["rank_peak_gib"][0]
+    baseline = measure(tmp_path / "tiny", 1, "none")["rank_peak_gib"][0]
     write_model(tmp_path / "model", MODEL)
-    run = measure(tmp_path / "model", 2, "none", tuned=True)
+    run = measure(tmp_path / "model", 2, "none")
     predicted = predicted_gib(MODEL, 2, "none", baseline)
     for rank, peak in enumerate(run["rank_peak_gib"]):
         assert peak <= (1 + TOLERANCE) * predicted, (rank, peak, predicted)
