@@ -47,6 +47,15 @@ FIT_MODEL = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 4096
 SMOKE_MODEL = {**FIT_MODEL, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
 TARGETS = {2: 0.8, 4: 0.6}
+# Phase marks (benchmarks.fit_phases.PhaseMarkingGRPOModule writes them). In the order a
+# 1-step fit meets them: start-up (imports, the data, building the empty models), loading
+# (the strategy shards the policy and fills each rank's rows from the safetensors files),
+# generation, scoring and reference (rewards, the KL reference's log-probs), forward and
+# backward, the LoGRA update (the strategy's runtime.step: probe and apply), after the step
+# (logging, teardown).
+MARKS_VARIABLE = "FIT_MEMORY_PHASES"
+PHASES = ("start-up", "loading", "generation", "scoring and reference", "forward and backward", "LoGRA update",
+          "after the step")
 # Allocator settings a run can use, as the environment it starts with. "library" is whatever
 # lightning_logra.allocator does by default; the others fix glibc's settings by hand.
 TUNING_OFF = {"LIGHTNING_LOGRA_MALLOC_TUNING": "0"}
@@ -104,7 +113,7 @@ trainer:
   callbacks:
     - class_path: lightning_logra.LoGRACallback
 model:
-  class_path: lightning_logra.modules.GRPOModule
+  class_path: benchmarks.fit_phases.PhaseMarkingGRPOModule
   init_args:
     model: {folder}
     loss:
@@ -146,7 +155,8 @@ def measure(folder: Path, world: int, reference: str, allocator: str = "library"
         work = Path(scratch)
         (work / "config.yaml").write_text(config_text(folder, work, reference))
         environment = allocator_environment({**os.environ, "OMP_NUM_THREADS": "1"}, allocator)
-        started = time.perf_counter()
+        environment[MARKS_VARIABLE] = str(work / "phases.txt")
+        started, started_wall = time.perf_counter(), time.time()
         process = subprocess.Popen([sys.executable, "-m", "lightning_logra.cli", "fit",
                                     "-c", str(work / "config.yaml"), f"--trainer.devices={world}"],
                                    env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -169,14 +179,48 @@ def measure(folder: Path, world: int, reference: str, allocator: str = "library"
         output, _ = process.communicate()
         done.set()
         sampler.join()
+        marks = read_marks(work / "phases.txt") if (work / "phases.txt").exists() else {}
     if process.returncode != 0:
         raise SystemExit(f"logra fit on {world} processes failed (exit {process.returncode}):\n{output[-3000:]}")
     if len(peaks) != world:
         raise SystemExit(f"found {len(peaks)} rank processes for {world} ranks")
     order = sorted(peaks, key=lambda pid: (pid != process.pid, pid))  # the launcher (rank 0) first
+    ranked = [(started_wall + t, order.index(pid), rss / GIB) for t, pid, rss in timeline]
     return {"world": world, "reference": reference, "allocator": allocator, "seconds": time.perf_counter() - started,
             "rank_peak_gib": [peaks[pid] / GIB for pid in order],
-            "timeline": [(t, order.index(pid), rss / GIB) for t, pid, rss in timeline]}
+            "timeline": [(t, order.index(pid), rss / GIB) for t, pid, rss in timeline],
+            "phase_peak_gib": phase_peaks(ranked, marks)}
+
+
+def read_marks(path: Path) -> dict[int, list[tuple[float, str]]]:
+    """Each rank's marks, in time order."""
+    marks: dict[int, list[tuple[float, str]]] = {}
+    for line in path.read_text().splitlines():
+        moment, rank, phase = line.split(" ", 2)
+        marks.setdefault(int(rank), []).append((float(moment), phase))
+    return {rank: sorted(entries) for rank, entries in marks.items()}
+
+
+def phase_at(marks: list[tuple[float, str]], moment: float) -> str:
+    """The phase a rank was in at wall time ``moment``: its latest mark before it, else start-up."""
+    current = PHASES[0]
+    for marked, phase in marks:
+        if marked > moment:
+            break
+        current = phase
+    return current
+
+
+def phase_peaks(timeline: list[tuple[float, int, float]], marks: dict[int, list[tuple[float, str]]]) -> dict[str, list]:
+    """Per phase, each rank's peak RSS (GiB, None where a rank had no sample in it) from
+    ``timeline`` entries ``(wall time, rank, rss GiB)``."""
+    ranks = sorted({rank for _, rank, _ in timeline})
+    peaks = {phase: [None] * len(ranks) for phase in PHASES}
+    for moment, rank, rss in timeline:
+        phase = phase_at(marks.get(rank, []), moment)
+        current = peaks[phase][rank]
+        peaks[phase][rank] = rss if current is None else max(current, rss)
+    return peaks
 
 
 def step_seconds(allocator: str, steps: int) -> float:
@@ -265,6 +309,16 @@ def render(result: dict) -> str:
         lines.append(f"| {row['world']} | {row['reference']} | {allocator_label(row['allocator'])} | "
                      f"{str(row['code'].get('git_commit'))[:7]} | {', '.join(f'{p:.2f}' for p in row['rank_peak_gib'])} "
                      f"| {ratio} | {target} | {predicted} | {error} | {row['seconds']:.0f} |")
+    phased = [run for run in result["runs"] if run.get("phase_peak_gib")]
+    if phased:
+        lines += ["", "Per phase (`benchmarks/fit_phases.py` marks where each begins): the largest rank's peak RSS in "
+                      "GiB while in it.", "",
+                  "| processes | KL reference | allocator | " + " | ".join(PHASES) + " |",
+                  "|---:|---|---|" + "---:|" * len(PHASES)]
+        for run in phased:
+            cells = [max((p for p in run["phase_peak_gib"][phase] if p is not None), default=None) for phase in PHASES]
+            lines.append(f"| {run['world']} | {run['reference']} | {allocator_label(run['allocator'])} | "
+                         + " | ".join("" if c is None else f"{c:.2f}" for c in cells) + " |")
     for timing in result.get("step_time", []):
         medians = {name: statistics.median(times) for name, times in timing["seconds"].items()}
         glibc = medians.get("glibc")

@@ -202,7 +202,7 @@ def plot(result: dict, path: Path) -> None:
                 row[2].fill_between(seconds, low, high, color=colour, alpha=0.15)
         row[0].set_xscale("log")
         row[0].set(xlabel="KL(policy || initial) per completion token", ylabel=f"{task}: validation pass@1")
-        row[1].set(xlabel="step", ylabel="validation pass@1 (best final step size)")
+        row[1].set(xlabel="step", ylabel="validation pass@1 (chosen step size;\nthe sweep's 2nd until every seed is in)")
         row[2].set(xlabel="seconds of training (steps x each method's seconds per step, timed alone)",
                    ylabel="validation pass@1")
         if not summary["timing"]:

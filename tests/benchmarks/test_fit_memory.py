@@ -1,0 +1,27 @@
+"""benchmarks.fit_memory's attribution of RSS samples to the phases its marks delimit, and
+its allocator environments (the shell's own allocator settings never leak into a run)."""
+
+from benchmarks.fit_memory import ALLOCATORS, PHASES, allocator_environment, phase_at, phase_peaks
+
+
+def test_a_sample_belongs_to_the_latest_phase_marked_before_it():
+    marks = [(10.0, "loading"), (12.0, "generation"), (15.0, "LoGRA update")]
+    assert [phase_at(marks, t) for t in (9.9, 10.0, 11.9, 12.5, 20.0)] == [
+        "start-up", "loading", "loading", "generation", "LoGRA update"]
+
+
+def test_phase_peaks_are_each_ranks_maximum_within_the_phase():
+    marks = {0: [(10.0, "loading"), (20.0, "generation")], 1: [(11.0, "loading"), (21.0, "generation")]}
+    timeline = [(5.0, 0, 0.5), (10.5, 0, 1.5), (15.0, 0, 2.0), (20.5, 0, 1.0), (10.5, 1, 0.6), (11.5, 1, 1.8)]
+    peaks = phase_peaks(timeline, marks)
+    assert list(peaks) == list(PHASES)
+    assert peaks["start-up"] == [0.5, 0.6] and peaks["loading"] == [2.0, 1.8] and peaks["generation"] == [1.0, None]
+    assert peaks["LoGRA update"] == [None, None]
+
+
+def test_each_run_starts_from_its_own_allocator_settings_only():
+    shell = {"PATH": "/bin", "MALLOC_ARENA_MAX": "8", "MALLOC_MMAP_THRESHOLD_": "1"}
+    assert allocator_environment(shell, "library") == {"PATH": "/bin"}
+    assert allocator_environment(shell, "glibc") == {"PATH": "/bin", "LIGHTNING_LOGRA_MALLOC_TUNING": "0"}
+    assert allocator_environment(shell, "mmap4m")["MALLOC_MMAP_THRESHOLD_"] == str(4 * 2**20)
+    assert set(ALLOCATORS) >= {"library", "glibc"}
