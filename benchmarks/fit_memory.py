@@ -133,6 +133,12 @@ data:
 """
 
 
+def is_rank_command(arguments: list[str]) -> bool:
+    """``python -m lightning_logra.cli ...`` (how the ranks run), not a helper whose command
+    merely mentions the module (multiprocessing's forkserver names it as the main module)."""
+    return any(a == "-m" and b == "lightning_logra.cli" for a, b in zip(arguments, arguments[1:]))
+
+
 def rank_processes(root) -> list:
     """``root`` and its descendants that run the ``logra`` entry point (the ranks)."""
     import psutil
@@ -140,7 +146,7 @@ def rank_processes(root) -> list:
     found = []
     for process in [root, *root.children(recursive=True)]:
         try:
-            if "lightning_logra.cli" in " ".join(process.cmdline()):
+            if is_rank_command(process.cmdline()):
                 found.append(process)
         except psutil.Error:
             continue

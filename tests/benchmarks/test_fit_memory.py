@@ -1,7 +1,7 @@
 """benchmarks.fit_memory's attribution of RSS samples to the phases its marks delimit, and
 its allocator environments (the shell's own allocator settings never leak into a run)."""
 
-from benchmarks.fit_memory import ALLOCATORS, PHASES, allocator_environment, phase_at, phase_peaks
+from benchmarks.fit_memory import ALLOCATORS, PHASES, allocator_environment, is_rank_command, phase_at, phase_peaks
 
 
 def test_a_sample_belongs_to_the_latest_phase_marked_before_it():
@@ -25,3 +25,10 @@ def test_each_run_starts_from_its_own_allocator_settings_only():
     assert allocator_environment(shell, "glibc") == {"PATH": "/bin", "LIGHTNING_LOGRA_MALLOC_TUNING": "0"}
     assert allocator_environment(shell, "mmap4m")["MALLOC_MMAP_THRESHOLD_"] == str(4 * 2**20)
     assert set(ALLOCATORS) >= {"library", "glibc"}
+
+
+def test_ranks_are_the_processes_running_the_cli_not_helpers_that_name_it():
+    assert is_rank_command(["python", "-m", "lightning_logra.cli", "fit", "-c", "c.yaml", "--trainer.devices=2"])
+    forkserver = ["python", "-B", "-c", "from multiprocessing.forkserver import main; main(3, 4, ['__main__'], "
+                  "**{'sys_path': [], 'init_main_from_name': 'lightning_logra.cli'})"]
+    assert not is_rank_command(forkserver)
