@@ -2,8 +2,9 @@
 it, against its predicted share (issue 43): the process with its imports (measured, a tiny
 model on 1 process) plus ``planning.step_memory``'s step peak, within 15%. A rank that
 loaded the whole model, or glibc keeping what the step frees (the allocator tuning lost),
-lands above it: measured on 2026-12-05, the ranks peaked at 1.18 GiB against 1.22 predicted,
-and at 1.38 and 1.47 GiB (13% and 21% above) with glibc's defaults."""
+lands above it: measured on 2026-12-05 with the 4 MiB tuning, the ranks peaked at 1.14 and
+1.19 GiB against 1.22 predicted, and at 1.38 and 1.76 GiB (13% and 44% above) with glibc's
+defaults."""
 
 import pytest
 
