@@ -121,6 +121,8 @@ RENDERED = [
     ("step_kl", "step_kl.json", []),
     ("step_kl_rows", "step_kl_rows.json", []),
     ("peers", "peers.json", []),
+    ("fit_memory", "fit_memory.json", []),
+    ("frontier", "frontier.json", []),
     ("quality_matched_report", "quality_matched.json", []),  # quality_matched's renderer
 ]
 
