@@ -7,9 +7,9 @@ the tensors are gone; with several ranks per machine each keeps its own. The iss
 measurement: a 1-step ``logra fit`` of a 0.42B model peaked at 2.7 GiB on 1 process and 3.4
 GiB per rank on 2; with ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_ARENA_MAX=2`` at 2.27 and
 1.84-1.90 GiB. A 64 KiB threshold sends every activation-sized block to mmap, though, and
-its page faults cost the quickstart about 35% of its step time; at 4 MiB the step time is
-within run-to-run noise of glibc's defaults and the 2-process ranks still peak 24% lower
-(``benchmarks/results/fit_memory.md`` has the sweep over thresholds). ``tune_glibc_malloc``
+its page faults cost the quickstart 30-48% of its step time; at 4 MiB the step time is
+glibc's (+0.1%) and each of 2 ranks still peaks about a fifth lower (2.02 GiB against 2.58;
+``benchmarks/results/fit_memory.md`` has the sweep over thresholds). ``tune_glibc_malloc``
 sets a 4 MiB threshold and two arenas through ``mallopt`` in this process and in the
 environment that ranks started later inherit (glibc reads it at their start). A value the
 user set in the environment is left as it is (``MALLOC_MMAP_THRESHOLD_=65536`` for the
@@ -42,4 +42,3 @@ def tune_glibc_malloc() -> dict[str, int]:
             os.environ[variable] = str(value)
             applied[variable] = value
     return applied
-
