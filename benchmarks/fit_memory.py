@@ -194,7 +194,8 @@ def measure(folder: Path, world: int, reference: str, allocator: str = "library"
     ranked = [(started_wall + t, order.index(pid), rss / GIB) for t, pid, rss in timeline]
     return {"world": world, "reference": reference, "allocator": allocator, "seconds": time.perf_counter() - started,
             "rank_peak_gib": [peaks[pid] / GIB for pid in order],
-            "timeline": [(t, order.index(pid), round(rss / GIB, 4)) for t, pid, rss in timeline],  # 0.1 MiB: a smaller JSON
+            # samples kept to 0.1 MiB: a smaller JSON
+            "timeline": [(t, order.index(pid), round(rss / GIB, 4)) for t, pid, rss in timeline],
             "phase_peak_gib": phase_peaks(ranked, marks)}
 
 
