@@ -3,6 +3,7 @@ from lightning_logra.rl.config import (BatchingConfig, LoggingConfig, LoRAConfig
                                        OptimizerConfig)
 from lightning_logra.rollout.config import RolloutConfig
 from lightning_logra.modules.grpo import GRPOModule
+from lightning_logra.modules.sft import SFTModule
 
 __all__ = ["BatchingConfig", "GRPOModule", "LoggingConfig", "LoRAConfig", "LossConfig", "MultiTurnConfig",
-           "OptimizerConfig", "RewardConfig", "RolloutConfig"]
+           "OptimizerConfig", "RewardConfig", "RolloutConfig", "SFTModule"]

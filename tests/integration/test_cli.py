@@ -94,7 +94,8 @@ def test_shipped_configs_parse(config, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "-c", str(config), "--print_config"])
     assert exit_info.value.code in (0, None)
-    assert "class_path: lightning_logra.modules.GRPOModule" in capsys.readouterr().out
+    module = "SFTModule" if config.name.startswith("sft_") else "GRPOModule"
+    assert f"class_path: lightning_logra.modules.{module}" in capsys.readouterr().out
 
 
 OLD_NAMES = """
