@@ -76,6 +76,12 @@ SECTIONS = (
             "YAML `model.init_args.lora` (setting it trains LoRA adapters); Python `GRPOModule(lora=LoRAConfig(...))`"),
     Section("lightning_logra.data.datamodule:PromptDataModule",
             "YAML `data.init_args` (`class_path: lightning_logra.data.PromptDataModule`); Python `PromptDataModule(...)`"),
+    Section("lightning_logra.modules.sft:SFTModule",
+            "YAML `model.init_args` (`class_path: lightning_logra.modules.SFTModule`); Python `SFTModule(...)`; "
+            "`optimizer` and `lora` take the `OptimizerConfig` and `LoRAConfig` above"),
+    Section("lightning_logra.data.conversations:ConversationDataModule",
+            "YAML `data.init_args` (`class_path: lightning_logra.data.ConversationDataModule`); Python "
+            "`ConversationDataModule(...)`"),
 )
 
 INTRO = """\

@@ -172,6 +172,25 @@ class ConversationDataModule(LightningDataModule):
 
     The training order is ``PromptDataModule``'s: a seeded shuffle per epoch split across
     ranks, full batches only, and its position is saved in checkpoints.
+
+    Args:
+        train: the training conversations: a file, a Hugging Face dataset name or ``"calculator:<max_digits>"``.
+        val: the validation conversations (``val/loss``), from the same kinds of source; None: no validation.
+        tokenizer: the tokenizer, or its hub id, folder or built-in name (loaded at setup).
+        tools: import paths of the tools whose schemas the system prompt lists.
+        chat_template: a Jinja chat template to use instead of the tokenizer's.
+        instruction: text appended to each conversation's prompt.
+        batch_size: conversations per training step on each rank.
+        val_batch_size: conversations per validation batch on each rank (default ``batch_size``).
+        train_size: rows the built-in source draws for training.
+        val_size: rows the built-in source draws for validation.
+        train_split: the Hugging Face dataset split to train on.
+        val_split: the Hugging Face dataset split to validate on.
+        seed: the training order's shuffle seed and the built-in source's draw.
+        max_tokens: drop (and count) conversations longer than this many tokens; None keeps all.
+        skip_invalid_rows: drop (and count) invalid rows instead of raising on the first one.
+        allow_train_val_overlap: validate on prompts that are training prompts too, with a warning.
+        num_workers: DataLoader worker processes.
     """
 
     def __init__(

@@ -118,3 +118,17 @@ def test_an_environments_reward_is_one_more_source(model_folder):
     assert [c.messages[1]["name"] for c in rollouts.conversations] == ["guess"] * 4
     assert logged["reward/GuessEnvironment/mean"] == pytest.approx(sum(rewards) / 4)
     assert logged["tools/calls_per_sample"] == 1.0 and logged["turns/mean"] == 2.0
+
+
+def test_validation_logs_the_tool_call_rate(model_folder):
+    grpo = grpo_module(model_folder, multi_turn=MultiTurnConfig(max_turns=2), tools=["tests.helpers.tools:add"],
+                       rollout=RolloutConfig(num_generations=2, max_new_tokens=600, val_generations=2))
+    grpo.configure_model()
+    # Two validation batches of 2 prompts x 2 conversations, two turns each: the first turn's
+    # call runs (in batch 0 on one conversation of 4, in batch 1 on all), the last turn's never does.
+    ScriptedGeneration(grpo.policy, grpo.tokenizer, [[CALL, "7", "7", "7"], "5", CALL, CALL])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (metrics,) = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                               enable_model_summary=False).validate(grpo, prompt_data(model_folder))
+    assert metrics["val/tools/calls_per_sample"] == pytest.approx((1 + 4) / 8)

@@ -97,3 +97,18 @@ def test_under_logra_the_probe_scores_the_trained_positions_and_the_loss_falls(m
 def test_micro_batch_size_is_checked():
     with pytest.raises(ValueError, match=r"SFTModule.micro_batch_size = 0 is invalid"):
         SFTModule("unused", micro_batch_size=0)
+
+
+def test_with_lora_only_the_adapters_train_and_export_merges_them(model_folder, tmp_path):
+    from lightning_logra.models import export_checkpoint
+    from lightning_logra.modules import LoRAConfig
+
+    torch.manual_seed(0)
+    module = SFTModule(model_folder, lora=LoRAConfig(rank=4, alpha=8.0), optimizer=OptimizerConfig(lr=1e-2, warmup_steps=0))
+    before = {name: p.detach().clone() for name, p in module.policy.named_parameters()}
+    trainer = fit(module, conversations(model_folder), steps=2)
+    changed = {name for name, p in module.policy.named_parameters() if not torch.equal(p, before[name])}
+    assert changed and all("lora_" in name for name in changed)
+    trainer.save_checkpoint(tmp_path / "sft.ckpt")
+    exported = export_checkpoint(tmp_path / "sft.ckpt", tmp_path / "model")
+    assert exported.lora_merged
