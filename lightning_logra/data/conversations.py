@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_logra.core.validation import FieldChecks
-from lightning_logra.data.datamodule import ResumableLoader, ResumableSampler
+from lightning_logra.data.datamodule import resumable_train_loader
 from lightning_logra.data.sources import arithmetic_rows, read_rows
 from lightning_logra.tools.calculator import calculator
 from lightning_logra.tools.schema import load_tools, tool_schema
@@ -259,15 +259,9 @@ class ConversationDataModule(LightningDataModule):
             self._check_held_out()
 
     def train_dataloader(self) -> DataLoader:
-        dataset, trainer = self.datasets["train"], self.trainer
-        world_size, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
-        sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, seed=self.seed)
-        if sampler.num_samples < self.batch_size:
-            raise ValueError(f"{self.sources['train'][0]}: {len(dataset)} usable train conversations make "
-                             f"{sampler.num_samples} per rank on {world_size} rank(s), fewer than batch_size = "
-                             f"{self.batch_size}: not one full batch to train on")
-        return ResumableLoader(dataset, trainer=trainer, drop_last=True, batch_size=self.batch_size, sampler=sampler,
-                               num_workers=self.num_workers, collate_fn=self._collate)
+        return resumable_train_loader(self.datasets["train"], self.trainer, source=self.sources["train"][0],
+                                      batch_size=self.batch_size, seed=self.seed, num_workers=self.num_workers,
+                                      collate_fn=self._collate)
 
     def val_dataloader(self) -> DataLoader | list:
         if "val" not in self.datasets:

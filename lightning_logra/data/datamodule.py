@@ -161,20 +161,15 @@ class PromptDataModule(LightningDataModule):
             self._check_held_out()
 
     def train_dataloader(self) -> DataLoader:
-        dataset = self.datasets["train"]
-        trainer = self.trainer
-        world_size, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
-        sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, seed=self.seed)
-        if sampler.num_samples < self.batch_size:
-            raise ValueError(f"{self.sources['train'][0]}: {len(dataset)} usable train rows make {sampler.num_samples} "
-                             f"per rank on {world_size} rank(s), fewer than batch_size = {self.batch_size}: not one "
-                             "full batch to train on")
-        return ResumableLoader(dataset, trainer=trainer, drop_last=True, **self._loader_args(sampler))
+        return resumable_train_loader(self.datasets["train"], self.trainer, source=self.sources["train"][0],
+                                      batch_size=self.batch_size, seed=self.seed, num_workers=self.num_workers,
+                                      collate_fn=collate_prompts)
 
     def val_dataloader(self) -> DataLoader | list:
         if "val" not in self.datasets:
             return []  # no val source: Lightning skips validation
-        return DataLoader(self.datasets["val"], **self._loader_args(sampler=None, batch_size=self.val_batch_size))
+        return DataLoader(self.datasets["val"], batch_size=self.val_batch_size, num_workers=self.num_workers,
+                          collate_fn=collate_prompts)
 
     def drop_long_prompts(self, max_tokens: int, tokenizer, reason: str) -> None:
         """Drop the set-up rows whose rendered prompt is longer than ``max_tokens`` tokens of
@@ -284,14 +279,6 @@ class PromptDataModule(LightningDataModule):
         raise ValueError(f"{overlap}, e.g. {examples}: validation would measure prompts the policy trains on. "
                          "Hold them out of one split, or set allow_train_val_overlap=True to validate on them anyway")
 
-    def _loader_args(self, sampler, batch_size: int | None = None) -> dict:
-        return {
-            "batch_size": self.batch_size if batch_size is None else batch_size,
-            "sampler": sampler,
-            "num_workers": self.num_workers,
-            "collate_fn": collate_prompts,
-        }
-
 
 def _renamed(row, field_map: dict[str, str]):
     if not isinstance(row, dict):
@@ -355,6 +342,20 @@ def collate_prompts(items: list[dict]) -> dict[str, list]:
     for item in items:
         keys.update(dict.fromkeys(item))
     return {key: [item.get(key) for item in items] for key in keys}
+
+
+def resumable_train_loader(dataset: Dataset, trainer, *, source, batch_size: int, seed: int, num_workers: int,
+                           collate_fn) -> "ResumableLoader":
+    """A ``ResumableLoader`` of full batches over a ``ResumableSampler`` of ``dataset`` (this
+    rank's share; one rank without a trainer). ``ValueError`` naming ``source`` when a rank's
+    share is smaller than one batch."""
+    world_size, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
+    sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
+    if sampler.num_samples < batch_size:
+        raise ValueError(f"{source}: {len(dataset)} usable train rows make {sampler.num_samples} per rank on "
+                         f"{world_size} rank(s), fewer than batch_size = {batch_size}: not one full batch to train on")
+    return ResumableLoader(dataset, trainer=trainer, drop_last=True, batch_size=batch_size, sampler=sampler,
+                           num_workers=num_workers, collate_fn=collate_fn)
 
 
 class ResumableSampler(DistributedSampler):
