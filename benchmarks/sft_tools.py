@@ -27,6 +27,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import yaml
+
 from .cli_runs import mlflow_environment, run_logra, timed_metric_history
 from .harness import (ROOT, argument_parser, code_version, command_line, cpu_caption, load_json, machine_info,
                       machine_line, pyplot, save_figure, save_json, write_outputs)
@@ -65,11 +67,21 @@ def fit(config: str, name: str, work: Path, curves: tuple[str, ...], *overrides:
     return {"config": config, "overrides": list(overrides), "seconds": seconds, "curves": history}
 
 
+def checkpoint_folder(run: Path) -> Path:
+    """Where the run's ModelCheckpoint wrote, from the config it saved (resolved: the YAML's
+    interpolations are resolved when it is read, before command-line overrides)."""
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    for callback in config["trainer"]["callbacks"]:
+        if callback["class_path"].endswith("ModelCheckpoint"):
+            return ROOT / callback["init_args"]["dirpath"]
+    raise SystemExit(f"{run / 'config.yaml'} lists no ModelCheckpoint: nothing to export")
+
+
 def measure(method: str, work: Path) -> dict:
     configs = CONFIGS[method]
     sft = fit(configs["sft"], f"{method}-sft", work, SFT_CURVES)
     model = work / f"{method}-sft" / "model"
-    checkpoint = work / f"{method}-sft" / "checkpoints" / "last.ckpt"
+    checkpoint = checkpoint_folder(work / f"{method}-sft") / "last.ckpt"
     print(f"{method}: export {checkpoint} -> {model}", flush=True)
     run_logra(["export", "--ckpt_path", str(checkpoint), "--out", str(model), "--overwrite"], mlflow_environment(work),
               work / f"{method}-export.log")
