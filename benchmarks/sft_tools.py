@@ -79,9 +79,13 @@ def checkpoint_folder(run: Path) -> Path:
 
 def measure(method: str, work: Path) -> dict:
     configs = CONFIGS[method]
+    started = time.time()
     sft = fit(configs["sft"], f"{method}-sft", work, SFT_CURVES)
     model = work / f"{method}-sft" / "model"
     checkpoint = checkpoint_folder(work / f"{method}-sft") / "last.ckpt"
+    if not checkpoint.exists() or checkpoint.stat().st_mtime < started:
+        raise SystemExit(f"{checkpoint} was not written by this run: remove the folder's old checkpoints, which "
+                         "ModelCheckpoint would version around (last-v1.ckpt), and run again")
     print(f"{method}: export {checkpoint} -> {model}", flush=True)
     run_logra(["export", "--ckpt_path", str(checkpoint), "--out", str(model), "--overwrite"], mlflow_environment(work),
               work / f"{method}-export.log")
