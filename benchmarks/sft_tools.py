@@ -39,7 +39,7 @@ CONFIGS = {
 }
 VALIDATION = ("val/pass_at_1", "val/tools/calls_per_sample")
 SFT_CURVES = ("train/loss", "val/loss")
-RL_CURVES = ("reward/mean", "tools/calls_per_sample", "turns/mean", *VALIDATION)
+RL_CURVES = ("reward/mean", "reward/zero_std_groups", "tools/calls_per_sample", "turns/mean", *VALIDATION)
 
 
 def validate(config: str, name: str, work: Path, *overrides: str) -> dict:
@@ -78,47 +78,74 @@ def checkpoint_folder(run: Path) -> Path:
 
 
 def measure(method: str, work: Path) -> dict:
+    """SFT, export, and RL at the tool config's own completion budget."""
     configs = CONFIGS[method]
     started = time.time()
     sft = fit(configs["sft"], f"{method}-sft", work, SFT_CURVES)
-    model = work / f"{method}-sft" / "model"
     checkpoint = checkpoint_folder(work / f"{method}-sft") / "last.ckpt"
     if not checkpoint.exists() or checkpoint.stat().st_mtime < started:
         raise SystemExit(f"{checkpoint} was not written by this run: remove the folder's old checkpoints, which "
                          "ModelCheckpoint would version around (last-v1.ckpt), and run again")
-    print(f"{method}: export {checkpoint} -> {model}", flush=True)
-    run_logra(["export", "--ckpt_path", str(checkpoint), "--out", str(model), "--overwrite"], mlflow_environment(work),
-              work / f"{method}-export.log")
-    after_sft = validate(configs["rl"], f"{method}-after-sft", work, f"--model.init_args.model={model}")
-    rl = fit(configs["rl"], f"{method}-rl", work, RL_CURVES, f"--model.init_args.model={model}")
-    return {"sft": sft, "after_sft": after_sft, "rl": rl}
+    print(f"{method}: export {checkpoint} -> {exported(method, work)}", flush=True)
+    run_logra(["export", "--ckpt_path", str(checkpoint), "--out", str(exported(method, work)), "--overwrite"],
+              mlflow_environment(work), work / f"{method}-export.log")
+    return {"sft": sft, **after_sft(method, work)}
+
+
+def exported(method: str, work: Path) -> Path:
+    return work / f"{method}-sft" / "model"
+
+
+def after_sft(method: str, work: Path, budget: int | None = None) -> dict:
+    """Validation of the exported SFT model and RL from it, with the tool config's
+    ``rollout.max_new_tokens`` or ``budget``."""
+    rl_config, suffix = CONFIGS[method]["rl"], "" if budget is None else f"-{budget}"
+    overrides = [f"--model.init_args.model={exported(method, work)}"]
+    if budget is not None:
+        overrides.append(f"--model.init_args.rollout.max_new_tokens={budget}")
+    return {"after_sft": validate(rl_config, f"{method}-after-sft{suffix}", work, *overrides),
+            "rl": fit(rl_config, f"{method}-rl{suffix}", work, RL_CURVES, *overrides)}
+
+
+def rl_runs(result: dict):
+    """(method, completion budget, its after-SFT validation and RL run) for every RL run."""
+    for method, run in result["runs"].items():
+        yield method, "config's (64)", run["after_sft"], run["rl"]
+        for budget, entry in run.get("budgets", {}).items():
+            yield method, budget, entry["after_sft"], entry["rl"]
 
 
 def render(result: dict) -> str:
-    untrained = result["untrained"]
-    lines = ["# A tool task that learns: SFT warm start, then RL (SmolLM2-135M-Instruct, CPU, seed 0)", "",
-             "Validation: the tool task's 24 held-out prompts x 4 conversations. Tool calls per conversation / "
-             "pass@1 at each stage.", "",
-             "| method | untrained | after SFT | RL step 6 | RL step 12 | SFT loss: first -> last (val) | "
-             "RL reward, steps 0-2 -> last 3 | RL tool calls per sample, steps 0-2 -> last 3 | SFT s | RL s |",
-             "|---|---|---|---|---|---|---|---|---:|---:|"]
-
     def stage(values: dict) -> str:
         return f"{values['val/tools/calls_per_sample']:.2f} / {values['val/pass_at_1']:.3f}"
 
+    def mean(values: list) -> str:
+        return f"{sum(values) / len(values):.2f}"
+
+    lines = ["# A tool task that learns: SFT warm start, then RL (SmolLM2-135M-Instruct, CPU, seed 0)", "",
+             "## SFT", "",
+             "| method | train loss, first -> last step | val loss, step 6 -> 12 | seconds |", "|---|---|---|---:|"]
     for method, run in result["runs"].items():
-        rl, sft = run["rl"]["curves"], run["sft"]["curves"]
-        rl_stages = [{key: rl[key][index][1] for key in VALIDATION} for index in range(len(rl["val/pass_at_1"]))]
-        reward = [value for _, value in rl["reward/mean"]]
-        calls = [value for _, value in rl["tools/calls_per_sample"]]
-        loss = [value for _, value in sft["train/loss"]]
-        lines.append(
-            f"| {method} | {stage(untrained)} | {stage(run['after_sft'])} | "
-            + " | ".join(stage(values) for values in rl_stages)
-            + f" | {loss[0]:.3f} -> {loss[-1]:.3f} ({sft['val/loss'][-1][1]:.3f}) | "
-            f"{sum(reward[:3]) / 3:.3f} -> {sum(reward[-3:]) / 3:.3f} | {sum(calls[:3]) / 3:.2f} -> "
-            f"{sum(calls[-3:]) / 3:.2f} | {run['sft']['seconds']:.0f} | {run['rl']['seconds']:.0f} |")
-    lines += ["", f"{machine_line(result['machine'])}; code {result['code']}; command: `{result['command']}`."]
+        sft = run["sft"]["curves"]
+        lines.append(f"| {method} | {sft['train/loss'][0][1]:.3f} -> {sft['train/loss'][-1][1]:.3f} | "
+                     f"{' -> '.join(f'{value:.3f}' for _, value in sft['val/loss'])} | {run['sft']['seconds']:.0f} |")
+    lines += ["", "## Validation before SFT, after SFT and during RL", "",
+              "The tool task's 24 held-out prompts x 4 conversations; each cell is tool calls per conversation / "
+              "pass@1. The budget is `rollout.max_new_tokens`, the whole completion (calls, tool results, answer).",
+              "", "| method | budget | untrained | after SFT | RL step 6 | RL step 12 | RL reward, steps 0-2 -> last 3 | "
+              "groups with one reward for all samples (mean over steps) | RL s |",
+              "|---|---|---|---|---|---|---|---|---:|"]
+    for method, budget, validated, rl in rl_runs(result):
+        curves = rl["curves"]
+        stages = [{key: curves[key][index][1] for key in VALIDATION} for index in range(len(curves["val/pass_at_1"]))]
+        reward = [value for _, value in curves["reward/mean"]]
+        same = curves.get("reward/zero_std_groups")
+        lines.append(f"| {method} | {budget} | {stage(result['untrained'])} | {stage(validated)} | "
+                     + " | ".join(stage(values) for values in stages)
+                     + f" | {mean(reward[:3])} -> {mean(reward[-3:])} | "
+                     f"{'not recorded' if same is None else mean([value for _, value in same])} | {rl['seconds']:.0f} |")
+    lines += ["", machine_line(result["machine"]) + "; commands:", ""]
+    lines += [f"- `{entry['command']}` at {entry['code']} ({entry['seconds']:.0f} s)" for entry in result["commands"]]
     return "\n".join(lines)
 
 
@@ -127,24 +154,29 @@ def plot(result: dict, path: Path) -> None:
     figure, (loss_axis, rl_axis) = plt.subplots(1, 2, figsize=(12, 4))
     colours = {"dense": "tab:blue", "logra": "tab:green"}
     for method, run in result["runs"].items():
-        sft, rl = run["sft"]["curves"], run["rl"]["curves"]
+        sft = run["sft"]["curves"]
         loss_axis.plot(*zip(*sft["train/loss"]), color=colours[method], label=f"{method}: train loss")
         loss_axis.plot(*zip(*sft["val/loss"]), color=colours[method], marker="o", linestyle="--",
                        label=f"{method}: val loss")
-        rl_axis.plot(*zip(*rl["reward/mean"]), color=colours[method], alpha=0.6, label=f"{method}: RL reward")
-        stages = [(-1, run["after_sft"]["val/pass_at_1"])] + list(rl["val/pass_at_1"])
-        rl_axis.plot(*zip(*stages), color=colours[method], marker="o", linestyle="--",
-                     label=f"{method}: val pass@1 (step -1: after SFT)")
+    for (method, budget, validated, rl), style in zip(rl_runs(result), ["-", "--", ":", "-."] * 4):
+        rl_axis.plot(*zip(*rl["curves"]["reward/mean"]), color=colours[method], alpha=0.3, linestyle=style)
+        stages = [(-1, validated["val/pass_at_1"])] + list(rl["curves"]["val/pass_at_1"])
+        rl_axis.plot(*zip(*stages), color=colours[method], marker="o", linestyle=style,
+                     label=f"{method}, budget {budget}: val pass@1 (faint: RL reward)")
     rl_axis.axhline(result["untrained"]["val/pass_at_1"], color="grey", linestyle=":", label="untrained val pass@1")
     loss_axis.set(title="SFT on calculator conversations", xlabel="step", ylabel="NLL per assistant token")
-    rl_axis.set(title="RL on the tool task from the SFT model", xlabel="RL step", ylabel="reward / pass@1")
-    save_figure(figure, path, f"SmolLM2-135M-Instruct, seed 0 - {cpu_caption(result['machine'])}, {result['command']}",
-                legend_fontsize=7)
+    rl_axis.set(title="RL on the tool task from the SFT model (step -1: after SFT)", xlabel="RL step",
+                ylabel="reward / pass@1")
+    save_figure(figure, path, f"SmolLM2-135M-Instruct, seed 0 - {cpu_caption(result['machine'])}, "
+                f"{result['commands'][-1]['command']}", legend_fontsize=7)
 
 
 def main() -> None:
     parser = argument_parser(__doc__)
     parser.add_argument("--methods", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--budget", type=int, default=None,
+                        help="only the validation and RL after SFT, from the exported models of an earlier run, with "
+                             "rollout.max_new_tokens set to this")
     args = parser.parse_args()
     stem = args.out / "sft_tools"
     if args.render:
@@ -158,10 +190,15 @@ def main() -> None:
         result["untrained"] = validate(CONFIGS["dense"]["rl"], "untrained", work)
         save_json(stem.with_suffix(".json"), result)
     for method in args.methods:
-        result["runs"][method] = measure(method, work)
-        result.update(command=command_line("sft_tools"), machine=machine_info(), code=code_version(),
-                      seconds=time.perf_counter() - started)
+        if args.budget is None:
+            result["runs"][method] = measure(method, work)
+        else:
+            result["runs"][method].setdefault("budgets", {})[str(args.budget)] = after_sft(method, work, args.budget)
         save_json(stem.with_suffix(".json"), result)
+    result.setdefault("commands", []).append({"command": command_line("sft_tools"), "code": code_version(),
+                                              "seconds": time.perf_counter() - started})
+    result["machine"] = machine_info()
+    save_json(stem.with_suffix(".json"), result)
     write_outputs(stem, result, render, plot)
 
 
