@@ -115,6 +115,10 @@ def rl_runs(result: dict):
             yield method, budget, entry["after_sft"], entry["rl"]
 
 
+def commit(code: dict) -> str:
+    return code["git_commit"][:7] + (" (with local changes)" if code["lightning_logra_locally_modified"] else "")
+
+
 def render(result: dict) -> str:
     def stage(values: dict) -> str:
         return f"{values['val/tools/calls_per_sample']:.2f} / {values['val/pass_at_1']:.3f}"
@@ -145,7 +149,9 @@ def render(result: dict) -> str:
                      + f" | {mean(reward[:3])} -> {mean(reward[-3:])} | "
                      f"{'not recorded' if same is None else mean([value for _, value in same])} | {rl['seconds']:.0f} |")
     lines += ["", machine_line(result["machine"]) + "; commands:", ""]
-    lines += [f"- `{entry['command']}` at {entry['code']} ({entry['seconds']:.0f} s)" for entry in result["commands"]]
+    lines += [f"- `{entry['command']}` at {commit(entry['code'])} ({entry['seconds']:.0f} s)"
+              for entry in result["commands"]]
+    lines += [f"- {note}" for note in result.get("notes", [])]
     return "\n".join(lines)
 
 
