@@ -118,6 +118,7 @@ RENDERED = [
     ("packing", "packing.json", []),
     ("fits", "fits.json", []),
     ("beyond_math", "beyond_math.json", []),
+    ("sft_tools", "sft_tools.json", []),
     ("step_kl", "step_kl.json", []),
     ("step_kl_rows", "step_kl_rows.json", []),
     ("peers", "peers.json", []),
