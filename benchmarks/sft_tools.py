@@ -16,6 +16,8 @@ and tool-call curves.
 
     python -m benchmarks.sft_tools                       # both methods, one after the other
     python -m benchmarks.sft_tools --methods logra       # one (merged into the file)
+    python -m benchmarks.sft_tools --budget 96           # validation and RL again from the exported models,
+                                                         # with rollout.max_new_tokens 96 (added to the file)
     python -m benchmarks.sft_tools --render benchmarks/results/sft_tools.json
 
 Run logs, checkpoints, the exported models and the MLflow store stay in
