@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_logra.core.validation import FieldChecks
-from lightning_logra.data.datamodule import resumable_train_loader
+from lightning_logra.data.datamodule import resumable_train_loader, with_instruction
 from lightning_logra.data.sources import arithmetic_rows, read_rows
 from lightning_logra.tools.calculator import calculator
 from lightning_logra.tools.schema import load_tools, tool_schema
@@ -291,8 +291,9 @@ class ConversationDataModule(LightningDataModule):
             problem = messages_problem(messages) if isinstance(row, dict) else \
                 f"expected an object with 'messages', got {type(row).__name__}"
             if problem is None:
-                messages = self._with_instruction(messages)
+                first_answer = next(i for i, message in enumerate(messages) if message["role"] == "assistant")
                 try:
+                    messages = with_instruction(messages, self.instruction, end=first_answer)
                     tokens = conversation_tokens(chat, messages, schemas)
                 except ValueError as error:
                     problem = str(error)
@@ -317,18 +318,6 @@ class ConversationDataModule(LightningDataModule):
         rank_zero_info(f"{name}: {len(rows)} {split} conversations, {sum(len(ids) for ids, _ in rows):,} tokens, "
                        f"{trained:,} of them trained (assistant turns)")
         return ConversationDataset(rows, keys)
-
-    def _with_instruction(self, messages: list[dict]) -> list[dict]:
-        if not self.instruction:
-            return messages
-        first_answer = next(index for index, message in enumerate(messages) if message["role"] == "assistant")
-        users = [index for index in range(first_answer) if messages[index]["role"] == "user"]
-        if not users:
-            raise ValueError(f"instruction {self.instruction!r}: a conversation has no user message before its "
-                             "first assistant turn to append it to")
-        messages = list(messages)
-        messages[users[-1]] = {**messages[users[-1]], "content": messages[users[-1]]["content"] + self.instruction}
-        return messages
 
     def _check_held_out(self) -> None:
         train = set(self.datasets["train"].prompt_keys)

@@ -201,21 +201,9 @@ class PromptDataModule(LightningDataModule):
     def prompt_messages(self, row: dict) -> list[dict]:
         """The row's chat before rendering: its messages with ``instruction`` and
         ``system_prompt`` (what multi-turn rollouts render anew with the tools' schemas)."""
-        messages = self._with_instruction(_as_messages(_original_prompt(row)))
+        messages = with_instruction(_as_messages(_original_prompt(row)), self.instruction)
         if self.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        return messages
-
-    def _with_instruction(self, messages: list[dict]) -> list[dict]:
-        """A copy of ``messages`` with ``instruction`` appended to the last user message."""
-        if not self.instruction:
-            return messages
-        users = [i for i, message in enumerate(messages) if message["role"] == "user"]
-        if not users:
-            raise ValueError(f"instruction {self.instruction!r}: a prompt has no 'user' message to append it to")
-        last = messages[users[-1]]
-        messages = list(messages)
-        messages[users[-1]] = {**last, "content": last["content"] + self.instruction}
         return messages
 
     def _build(self, split: str, source, hub_split: str, size: int) -> "PromptDataset":
@@ -278,6 +266,19 @@ class PromptDataModule(LightningDataModule):
         examples = ", ".join(_shortened(repr(prompt)) for prompt in itertools.islice(shared.values(), 3))
         raise ValueError(f"{overlap}, e.g. {examples}: validation would measure prompts the policy trains on. "
                          "Hold them out of one split, or set allow_train_val_overlap=True to validate on them anyway")
+
+
+def with_instruction(messages: list[dict], instruction: str | None, end: int | None = None) -> list[dict]:
+    """A copy of ``messages`` with ``instruction`` appended to the last user message before
+    position ``end`` (default: of them all); ``messages`` itself without an instruction."""
+    if not instruction:
+        return messages
+    users = [index for index in range(len(messages) if end is None else end) if messages[index]["role"] == "user"]
+    if not users:
+        raise ValueError(f"instruction {instruction!r}: a prompt has no 'user' message to append it to")
+    messages = list(messages)
+    messages[users[-1]] = {**messages[users[-1]], "content": messages[users[-1]]["content"] + instruction}
+    return messages
 
 
 def _renamed(row, field_map: dict[str, str]):

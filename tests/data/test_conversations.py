@@ -117,3 +117,10 @@ def test_conversations_longer_than_max_tokens_are_dropped_and_counted(model_fold
     with pytest.raises(ValueError, match="no usable train conversations"):
         data.setup()
     assert data.skipped["train"] == {"invalid": 0, "too_long": 8}
+
+
+def test_an_instruction_with_no_user_turn_before_the_first_answer_names_the_row(tmp_path, model_folder):
+    path = tmp_path / "chats.jsonl"
+    path.write_text('{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}\n')
+    with pytest.raises(ValueError, match=r"chats.jsonl: train row 0: instruction ' Be brief.': a prompt has no 'user'"):
+        ConversationDataModule(str(path), tokenizer=model_folder, instruction=" Be brief.").setup()
