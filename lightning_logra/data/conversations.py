@@ -18,8 +18,6 @@ prompts only (``held_out``), so none is a validation prompt of the RL task, for 
 
 from __future__ import annotations
 
-import itertools
-import json
 from pathlib import Path
 
 import torch
@@ -28,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_logra.core.validation import FieldChecks
-from lightning_logra.data.datamodule import resumable_train_loader, with_instruction
+from lightning_logra.data.datamodule import prompt_key, resumable_train_loader, with_instruction
 from lightning_logra.data.sources import arithmetic_rows, read_rows
 from lightning_logra.tools.calculator import calculator
 from lightning_logra.tools.schema import load_tools, tool_schema
@@ -114,13 +112,6 @@ def conversation_tokens(chat: ToolChat, messages: list[dict], schemas: list[dict
             trained += [is_trained] * len(piece)
         start = span_end
     return ids, trained
-
-
-def prompt_key(messages: list[dict]) -> str:
-    """The conversation's prompt (its messages before the first assistant turn) as
-    comparable text, for the held-out check."""
-    prompt = list(itertools.takewhile(lambda message: message["role"] != "assistant", messages))
-    return json.dumps(prompt, sort_keys=True, ensure_ascii=False, default=str)
 
 
 class ConversationDataset(Dataset):
@@ -306,7 +297,7 @@ class ConversationDataModule(LightningDataModule):
                 too_long += 1
                 continue
             rows.append(tokens)
-            keys.append(prompt_key(messages))
+            keys.append(prompt_key(messages[:first_answer]))  # the prompt: the messages before the first answer
         self.skipped[split] = {"invalid": invalid, "too_long": too_long}
         if invalid:
             rank_zero_warn(f"{name}: skipped {invalid} invalid {split} rows")

@@ -250,10 +250,10 @@ class PromptDataModule(LightningDataModule):
     def _check_held_out(self) -> None:
         """Refuse validation prompts that are training prompts too (see the class docstring),
         or warn with ``allow_train_val_overlap``."""
-        train_prompts = {_prompt_key(columns["prompt"]) for columns in self.datasets["train"].columns}
+        train_prompts = {prompt_key(columns["prompt"]) for columns in self.datasets["train"].columns}
         shared = {}
         for columns in self.datasets["val"].columns:
-            key = _prompt_key(columns["prompt"])
+            key = prompt_key(columns["prompt"])
             if key in train_prompts:
                 shared.setdefault(key, columns["prompt"])
         if not shared:
@@ -297,7 +297,7 @@ def _as_messages(prompt: str | list[dict]) -> list[dict]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 
 
-def _prompt_key(prompt: str | list[dict]) -> str:
+def prompt_key(prompt: str | list[dict]) -> str:
     """The prompt as comparable text: its messages as JSON (a string prompt as one user message)."""
     return json.dumps(_as_messages(prompt), sort_keys=True, ensure_ascii=False, default=str)
 
