@@ -46,7 +46,7 @@ from lightning_logra.rl.config import (BatchingConfig, LoggingConfig, LoRAConfig
 from lightning_logra.rl.advantages import NonFiniteRewards, RunningBaseline, group_advantages, length_scaled
 from lightning_logra.rl.metrics import PassTotals, PhaseClock, step_metrics
 from lightning_logra.rl.packing import check_packing
-from lightning_logra.rl.step import build_lr_schedule, build_optimizer, run_update
+from lightning_logra.rl.step import optimizer_with_schedule, run_update
 from lightning_logra.rl.step_kl import completion_kl, draw_tokens, k3_sums
 from lightning_logra.rl.sampling import (
     ScoredRollouts,
@@ -468,9 +468,7 @@ class GRPOModule(L.LightningModule):
         strategy freezes the policy after building it (unless ``train_non_targets``, when it
         steps the non-targets), so it never sees a gradient and keeps no state; its schedule
         sets LoGRA's step size only when ``logra.follow_lr_schedule`` is on."""
-        optimizer = build_optimizer(self.policy.parameters(), self.optimizer_config)
-        scheduler = build_lr_schedule(optimizer, self.optimizer_config)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return optimizer_with_schedule(self.policy.parameters(), self.optimizer_config)
 
     # Rollout engine, built once the strategy has placed the model -----------------------------
     @property

@@ -29,7 +29,7 @@ from lightning_logra.hooks import ReportsLoGRASteps
 from lightning_logra.models import build_model, load_tokenizer, model_source, with_lora
 from lightning_logra.rl.config import LoRAConfig, OptimizerConfig
 from lightning_logra.rl.logprobs import DEFAULT_CHUNK_SIZE, sequence_logprobs
-from lightning_logra.rl.step import build_lr_schedule, build_optimizer
+from lightning_logra.rl.step import optimizer_with_schedule
 
 
 class SFTModule(L.LightningModule):
@@ -149,6 +149,4 @@ class SFTModule(L.LightningModule):
         """AdamW and its warm-up + cosine schedule over the trainable parameters, as
         ``GRPOModule``'s: stepped by dense and LoRA runs, the handle of LoGRA's steps under
         ``logra_fsdp``."""
-        optimizer = build_optimizer(self.policy.parameters(), self.optimizer_config)
-        scheduler = build_lr_schedule(optimizer, self.optimizer_config)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return optimizer_with_schedule(self.policy.parameters(), self.optimizer_config)

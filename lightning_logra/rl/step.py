@@ -49,6 +49,14 @@ def build_lr_schedule(optimizer: torch.optim.Optimizer, config: OptimizerConfig)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
 
 
+def optimizer_with_schedule(parameters: Iterable[torch.nn.Parameter], config: OptimizerConfig) -> dict:
+    """``configure_optimizers``' answer for a module trained by AdamW and its schedule, stepped
+    once per optimizer step (the handle of LoGRA's steps under ``logra_fsdp``)."""
+    optimizer = build_optimizer(parameters, config)
+    scheduler = build_lr_schedule(optimizer, config)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 def logra_step_inputs(batch: RolloutBatch, rows: slice, trainer_logprobs: torch.Tensor, settings: MicroBatching, *,
                       num_generations: int, record_low_rank: bool = False) -> LoGRAStepInputs:
     """A LoGRA step's inputs for an update on ``rows``: their responses as the probe batch
