@@ -44,26 +44,28 @@ SFT_CURVES = ("train/loss", "val/loss")
 RL_CURVES = ("reward/mean", "reward/zero_std_groups", "tools/calls_per_sample", "turns/mean", *VALIDATION)
 
 
+def run(subcommand: str, config: str, name: str, work: Path, *overrides: str) -> float:
+    """``logra <subcommand> -c config`` as MLflow run ``name`` of the work folder's store; seconds."""
+    print(f"{name}: {subcommand} -c {config} {' '.join(overrides)}", flush=True)
+    return run_logra([subcommand, "-c", config, *overrides, f"--trainer.default_root_dir={work / name}",
+                      "--trainer.logger.init_args.experiment_name=sft_tools",
+                      f"--trainer.logger.init_args.run_name={name}"], mlflow_environment(work), work / f"{name}.log")
+
+
 def validate(config: str, name: str, work: Path, *overrides: str) -> dict:
     """``logra validate`` of ``config``: its validation pass@1 and tool-call rate, seconds."""
-    environment, database = mlflow_environment(work), work / "mlflow.db"
-    print(f"{name}: validate -c {config} {' '.join(overrides)}", flush=True)
-    seconds = run_logra(["validate", "-c", config, *overrides, f"--trainer.default_root_dir={work / name}",
-                         "--trainer.logger.init_args.experiment_name=sft_tools",
-                         f"--trainer.logger.init_args.run_name={name}"], environment, work / f"{name}.log")
-    result = {key: timed_metric_history(database, name, key)[-1][1] for key in VALIDATION}
+    seconds = run("validate", config, name, work, *overrides)
+    result = {key: timed_metric_history(work / "mlflow.db", name, key)[-1][1] for key in VALIDATION}
     print(f"  pass@1 {result['val/pass_at_1']:.3f}, tool calls per sample "
           f"{result['val/tools/calls_per_sample']:.2f} ({seconds:.0f} s)", flush=True)
     return {**result, "seconds": seconds}
 
 
 def fit(config: str, name: str, work: Path, curves: tuple[str, ...], *overrides: str) -> dict:
-    environment, database = mlflow_environment(work), work / "mlflow.db"
-    print(f"{name}: fit -c {config} {' '.join(overrides)}", flush=True)
-    seconds = run_logra(["fit", "-c", config, *overrides, f"--trainer.default_root_dir={work / name}",
-                         "--trainer.logger.init_args.experiment_name=sft_tools",
-                         f"--trainer.logger.init_args.run_name={name}"], environment, work / f"{name}.log")
-    history = {key: [(step, value) for step, value, _ in timed_metric_history(database, name, key)] for key in curves}
+    """``logra fit`` of ``config``: the ``curves`` it logged, seconds."""
+    seconds = run("fit", config, name, work, *overrides)
+    history = {key: [(step, value) for step, value, _ in timed_metric_history(work / "mlflow.db", name, key)]
+               for key in curves}
     print(f"  {', '.join(f'{key} {values[0][1]:.3f} -> {values[-1][1]:.3f}' for key, values in history.items())} "
           f"({seconds:.0f} s)", flush=True)
     return {"config": config, "overrides": list(overrides), "seconds": seconds, "curves": history}
