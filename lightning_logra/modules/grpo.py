@@ -190,7 +190,8 @@ class GRPOModule(L.LightningModule):
         self.val_pass_at_1 = MeanMetric()
         self.val_pass_at_n = MeanMetric()
         self.val_kl_from_init = MeanMetric() if self.logging.kl_from_init else None
-        self.val_tool_calls = MeanMetric()  # per validation conversation, logged for tool rollouts only
+        # Tool calls per validation conversation; only tool rollouts have them (nor a model-summary row otherwise).
+        self.val_tool_calls = MeanMetric() if self.multi_turn is not None else None
         self._engine = None
         self._empty_updates_in_a_row = 0
         self._warned_unscored = False
@@ -431,7 +432,7 @@ class GRPOModule(L.LightningModule):
             self._val_tables.append(completion_table(scored, step=self.global_step, count=totals.numel()))
         if self.logging.kl_from_init:
             self._log_kl_from_init(rollouts, batch_idx)
-        if rollouts.conversations is not None:
+        if self.val_tool_calls is not None:
             calls = torch.tensor([float(c.tool_calls) for c in rollouts.conversations], device=self.device)
             self.val_tool_calls.update(calls)
             self.log("val/tools/calls_per_sample", self.val_tool_calls, on_epoch=True, batch_size=calls.numel())
