@@ -68,7 +68,7 @@ def check_arguments(loss: LossConfig, rollout: RolloutConfig, lora: LoRAConfig |
     loss and rollout configs name the config field."""
     buffer, generations, engine = loss.overlong_buffer, rollout.num_generations, rollout.engine
     check = FieldChecks("GRPOModule", {**values, "loss.overlong_buffer": buffer, "rollout.num_generations": generations,
-                                       "rollout.engine": engine})
+                                       "rollout.engine": engine, "loss.tis": loss.tis})
     check.boolean("activation_checkpointing")
     check.integer("seed", at_least=0)
     check.require("loss.overlong_buffer", buffer <= rollout.max_new_tokens,
@@ -76,7 +76,10 @@ def check_arguments(loss: LossConfig, rollout: RolloutConfig, lora: LoRAConfig |
     check.require("rollout.num_generations", loss.type == "reinforce_baseline" or generations >= 2,
                   f">= 2 with loss.type = {loss.type!r} (group advantages)")
     check.require("rollout.engine", lora is None or engine != "vllm", "'hf' with lora: vLLM would need merged weights")
-    weighted = loss.type == "reinforce_baseline" or (loss.tis if loss.tis is not None else engine == "vllm")
+    check.require("loss.tis", rollout.max_staleness == 0 or loss.tis is not False,
+                  f"true or None with rollout.max_staleness = {rollout.max_staleness}: batches sampled by older "
+                  "weights need the importance-sampling correction (training collapses without one)")
+    weighted = loss.type == "reinforce_baseline" or _importance_sampling(loss, rollout)
     for name, default in (("importance_sampling_mode", "token_truncate"), ("tis_min", None)):
         if getattr(loss, name) != default and not weighted:
             # Without importance sampling the option would change nothing: say so rather than ignore it.
@@ -87,8 +90,13 @@ def check_arguments(loss: LossConfig, rollout: RolloutConfig, lora: LoRAConfig |
 def micro_batching(loss: LossConfig, rollout: RolloutConfig, batching: BatchingConfig) -> MicroBatching:
     """How every forward of the module's policy and reference runs: micro-batches, log-probs at
     the sampling temperature, the loss; truncated importance sampling in the clipped losses as
-    ``loss.tis`` says, else with vLLM rollouts only."""
+    ``loss.tis`` says, else with vLLM or one-step-off rollouts only."""
     return MicroBatching(loss=loss, micro_batch_size=batching.micro_batch_size, temperature=rollout.temperature,
                          chunk_size=batching.logprob_chunk_positions, max_completion_length=rollout.max_new_tokens,
-                         tis=loss.tis if loss.tis is not None else rollout.engine == "vllm",
+                         tis=_importance_sampling(loss, rollout),
                          micro_batch_tokens=batching.micro_batch_tokens)
+
+
+def _importance_sampling(loss: LossConfig, rollout: RolloutConfig) -> bool:
+    """``loss.tis``; None: on when another engine or older weights sample (vLLM, ``max_staleness > 0``)."""
+    return loss.tis if loss.tis is not None else rollout.engine == "vllm" or rollout.max_staleness > 0

@@ -26,6 +26,7 @@ from lightning_logra.hooks import ReportsLoGRASteps
 from lightning_logra.models import build_model, load_tokenizer, model_source, with_lora
 from lightning_logra.modules.arguments import DEPRECATED_ALIASES, check_arguments, config_groups, micro_batching
 from lightning_logra.modules.completions import completion_table, log_completion_table
+from lightning_logra.modules.async_rollouts import AsyncRollouts
 from lightning_logra.modules.engines import step_low_rank_updates, sync_engine
 from lightning_logra.modules.multi_turn import build_multi_turn, prompt_conversations
 from lightning_logra.modules.prompt_checks import (
@@ -39,6 +40,7 @@ from lightning_logra.rewards.runner import RewardRunner, RewardScores
 from lightning_logra.rollout.base import RolloutEngine, Rollouts
 from lightning_logra.rollout.config import RolloutConfig
 from lightning_logra.rollout.engines import build_engine
+from lightning_logra.rollout.worker import RolloutWorker
 from lightning_logra.rl.batch import BACKWARD_HINT, RolloutBatch, batch_logprobs, mini_batch_rows
 from lightning_logra.rl.collectives import any_rank, gather_objects, gather_ranks
 from lightning_logra.rl.config import (BatchingConfig, LoggingConfig, LoRAConfig, LossConfig, MultiTurnConfig,
@@ -173,6 +175,7 @@ class GRPOModule(L.LightningModule):
         self._activation_checkpointing = activation_checkpointing
         self.policy: torch.nn.Module | None = None
         self.reference: torch.nn.Module | None = None
+        self._lora = lora
         if lora is not None:
             # Built now, in full, as before: peft draws the adapters from the global random
             # state at construction, so a seed gives the same adapters as it always did.
@@ -182,6 +185,10 @@ class GRPOModule(L.LightningModule):
         self.multi_turn = build_multi_turn(tools, environment_factory, multi_turn or MultiTurnConfig(),
                                            self.rollout_config.max_new_tokens, self.tokenizer,
                                            getattr(self.model_config, "max_position_embeddings", None))
+        if self.multi_turn is not None and self.rollout_config.max_staleness:
+            raise ValueError(f"GRPOModule.rollout.max_staleness = {self.rollout_config.max_staleness} samples ahead in a "
+                             "worker process, which runs single-turn rollouts only: tools and environments run here. "
+                             "Set rollout.max_staleness: 0 for tool rollouts")
         self.reward_runner = RewardRunner(reward.functions, weights=reward.weights, timeout_s=reward.timeout_s,
                                           max_consecutive_timeouts=reward.max_consecutive_timeouts,
                                           model_options=reward.model_options())
@@ -193,6 +200,8 @@ class GRPOModule(L.LightningModule):
         # Tool calls per validation conversation; only tool rollouts have them (nor a model-summary row otherwise).
         self.val_tool_calls = MeanMetric() if self.multi_turn is not None else None
         self._engine = None
+        self._async: AsyncRollouts | None = None  # rollout.max_staleness > 0: built at the first step
+        self._staleness = 0
         self._empty_updates_in_a_row = 0
         self._warned_unscored = False
         self._low_rank_updates: list[list] = []
@@ -251,7 +260,10 @@ class GRPOModule(L.LightningModule):
         # Checked before anything is generated; dynamic sampling keeps the number of rows.
         mini_batches = mini_batch_rows(len(batch["prompt_text"]) * self.rollout_config.num_generations,
                                        self.rollout_config.num_generations, self.batching.mini_batches)
-        scored, sampling = self._sample(batch, phases)
+        if self.rollout_config.max_staleness:
+            scored, sampling = self._sample_ahead(batch, phases), None
+        else:
+            scored, sampling = self._sample(batch, phases)
         advantages = self._advantages(scored.rewards)
         phases.lap("rewards")
 
@@ -284,7 +296,10 @@ class GRPOModule(L.LightningModule):
                 trained = self._update(rollout_batch, rows, passes, phases)
                 if rollout_batch.old_logprobs is None:  # one update: its log-probs are those of the weights that sampled
                     rollout_batch.old_logprobs = trained
-        sync_engine(self.engine, self.policy, self.rollout_config, passes.updates, self._low_rank_updates)
+        if self._async is not None:
+            self._sync_worker(passes.updates)
+        else:
+            sync_engine(self.engine, self.policy, self.rollout_config, passes.updates, self._low_rank_updates)
         self._low_rank_updates = []
         phases.lap("weight_sync")
         # The one update had no token to train on: no gap to measure.
@@ -292,8 +307,11 @@ class GRPOModule(L.LightningModule):
         metrics = step_metrics(scored, mask, rollout_batch.rollout_logprobs, old_logprobs, passes,
                                num_generations=self.rollout_config.num_generations, phase_seconds=phases.seconds,
                                started=started, sampling=sampling)
-        if self.engine.last_sync_bytes is not None:
-            metrics["perf/weight_sync_bytes"] = float(self.engine.last_sync_bytes)
+        sync_bytes = (self._async or self.engine).last_sync_bytes
+        if sync_bytes is not None:
+            metrics["perf/weight_sync_bytes"] = float(sync_bytes)
+        if self._async is not None:
+            metrics["rollout/staleness"] = float(self._staleness)
         for key, value in metrics.items():
             self.log(key, value, on_step=True, prog_bar=key == "reward/mean", batch_size=1)
         self._log_completions(scored, first_step)
@@ -304,7 +322,8 @@ class GRPOModule(L.LightningModule):
         ``StepReport``. Returns the detached trainer log-probs of ``rows``, or None when no
         rank has a token to train on there (``loss.mask_truncated`` and every completion cut
         off): then nothing runs."""
-        lowrank = self.rollout_config.weight_sync == "lowrank"
+        lowrank = self.rollout_config.weight_sync == "lowrank" or (
+            self._async is not None and isinstance(self.trainer.strategy, ReportsLoGRASteps))
         draw = None
         if self.logging.step_kl:
             draw = draw_tokens(self.policy, batch, rows, self._micro_batching, count=self.logging.step_kl_rows,
@@ -370,6 +389,10 @@ class GRPOModule(L.LightningModule):
         with memory_phase("rollout", ROLLOUT_HINT):
             rollouts = self._rollouts(batch, config.num_generations)
         phases.lap("generation")
+        return self._score(batch, rollouts, phases)
+
+    def _score(self, batch: dict[str, list], rollouts: Rollouts, phases: "PhaseClock") -> ScoredRollouts:
+        config = self.rollout_config
         scores, columns = score_rollouts(self.reward_runner, rollouts, batch, config.num_generations)
         self._warn_if_unscored(scores, columns)
         rewards = torch.tensor(scores.total, dtype=torch.float32, device=self.device)
@@ -379,6 +402,55 @@ class GRPOModule(L.LightningModule):
             rewards = rewards + overlong_penalty(lengths, config.max_new_tokens, loss.overlong_buffer, loss.overlong_penalty)
         phases.lap("rewards")
         return ScoredRollouts(rollouts, columns, scores, rewards)
+
+    # One-step-off-policy rollouts (rollout.max_staleness > 0; modules/async_rollouts.py) ----------
+    def _sample_ahead(self, batch: dict[str, list], phases: "PhaseClock") -> ScoredRollouts:
+        """This step's rollouts from the worker process, which samples the next batches meanwhile;
+        ``generation`` times the wait for them."""
+        if self._async is None:
+            config = self.rollout_config
+            self._async = AsyncRollouts(
+                lambda: RolloutWorker(self._model_source, self.tokenizer, config, lora=self._lora,
+                                      threads=config.worker_threads),
+                max_staleness=config.max_staleness, num_generations=config.num_generations,
+                seed_of=lambda index: sampling_seed(self.seed, index * self._updates_per_step, self.global_rank))
+        index = self._steps_done()
+        with memory_phase("rollout", ROLLOUT_HINT):
+            rollouts, version = self._async.rollouts(batch, index=index, epoch=self.current_epoch,
+                                                     loader=self.trainer.train_dataloader,
+                                                     last_index=self._last_step(index), policy=self.policy)
+        self._staleness = index - version
+        phases.lap("generation")
+        return self._score(batch, rollouts, phases)
+
+    def _sync_worker(self, updates: int) -> None:
+        """Send the worker what this step changed; it then samples at version (steps done) + 1."""
+        logra = isinstance(self.trainer.strategy, ReportsLoGRASteps)
+        if logra and len(self._low_rank_updates) != updates:
+            raise RuntimeError(f"{updates} LoGRA updates ran but {len(self._low_rank_updates)} reported their "
+                               "low-rank form: the rollout worker cannot follow them")
+        self._async.sync(self.policy, [u for step in self._low_rank_updates for u in step],
+                         version=self._steps_done() + 1)
+
+    @property
+    def _updates_per_step(self) -> int:
+        return self.batching.num_iterations * self.batching.mini_batches
+
+    def _steps_done(self) -> int:
+        """Training steps (prompt batches) before this one: Lightning's count, saved in checkpoints."""
+        return self.trainer.fit_loop.epoch_loop.batch_progress.total.completed
+
+    def _last_step(self, index: int) -> int | None:
+        """The index of the run's last training step where ``max_steps`` fixes it (skipped updates
+        may add steps: those are then sampled without a head start)."""
+        if self.trainer.max_steps < 0:
+            return None
+        return index + -(-(self.trainer.max_steps - self.global_step) // self._updates_per_step) - 1
+
+    def teardown(self, stage: str) -> None:
+        if self._async is not None:
+            self._async.close()
+            self._async = None
 
     def _rollouts(self, batch: dict[str, list], num_generations: int, **sampling) -> Rollouts:
         """The batch's samples: single completions, or with tools conversations."""
