@@ -92,9 +92,14 @@ def summary(runs: list[dict]) -> dict:
     high = [max(values) for values in zip(*(run["reward"] for run in by_mode["sync"]))]
     inside = [sum(lo <= value <= hi for value, lo, hi in zip(run["reward"], low, high)) / len(low)
               for run in by_mode["async"]]
+    below = [sum(value < lo for value, lo in zip(run["reward"], low)) for run in by_mode["async"]]
+    above = [sum(value > hi for value, hi in zip(run["reward"], high)) for run in by_mode["async"]]
+    reward_gap = [statistics.fmean(a["reward"]) - statistics.fmean(s["reward"]) for a in by_mode["async"]
+                  for s in by_mode["sync"] if a["seed"] == s["seed"]]
     return {"seconds_per_step": per_step, "ratio_per_seed": paired, "ratio": statistics.fmean(paired),
             "target": TARGET, "met": statistics.fmean(paired) <= TARGET,
-            "reward_inside_sync_band": inside, "mean_reward": {mode: statistics.fmean(
+            "reward_inside_sync_band": inside, "steps_below_sync_band": below, "steps_above_sync_band": above,
+            "mean_reward_gap_per_seed": reward_gap, "mean_reward": {mode: statistics.fmean(
                 statistics.fmean(run["reward"]) for run in rows) for mode, rows in by_mode.items()}}
 
 
@@ -120,7 +125,11 @@ def render(result: dict) -> str:
         lines += ["", f"Seconds per step, async / sync, paired by seed: "
                       f"{', '.join(f'{r:.2f}' for r in found['ratio_per_seed'])} (mean {found['ratio']:.2f}; target "
                       f"<= {found['target']}: {verdict}). Share of steps where each async seed's reward lies inside "
-                      f"the sync seeds' band: {', '.join(f'{s:.2f}' for s in found['reward_inside_sync_band'])}."]
+                      f"the sync seeds' band (min-max): {', '.join(f'{s:.2f}' for s in found['reward_inside_sync_band'])}; "
+                      f"steps below it: {', '.join(map(str, found['steps_below_sync_band']))}, above it: "
+                      f"{', '.join(map(str, found['steps_above_sync_band']))} (of {result['steps']}). Mean reward over "
+                      f"the steps, async - sync, paired by seed: "
+                      f"{', '.join(f'{g:+.3f}' for g in found['mean_reward_gap_per_seed'])}."]
     return "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,7 @@ LoGRA update; under any other strategy it is AdamW (dense, or LoRA adapters).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import lightning as L
@@ -411,9 +412,9 @@ class GRPOModule(L.LightningModule):
             config = self.rollout_config
             self._async = AsyncRollouts(
                 lambda: RolloutWorker(self._model_source, self.tokenizer, config, lora=self._lora,
-                                      threads=config.worker_threads),
+                                      threads=config.worker_threads, seed=self.seed),
                 max_staleness=config.max_staleness, num_generations=config.num_generations,
-                seed_of=lambda index: sampling_seed(self.seed, index * self._updates_per_step, self.global_rank))
+                full_sync_every=config.full_sync_every, seed_of=lambda index: sampling_seed(self.seed, index * self._updates_per_step, self.global_rank))
         index = self._steps_done()
         with memory_phase("rollout", ROLLOUT_HINT):
             rollouts, version = self._async.rollouts(batch, index=index, epoch=self.current_epoch,
@@ -546,8 +547,13 @@ class GRPOModule(L.LightningModule):
     # Rollout engine, built once the strategy has placed the model -----------------------------
     @property
     def engine(self) -> RolloutEngine:
+        """The engine of this process. With ``rollout.max_staleness > 0`` the training rollouts
+        come from the worker's engine and this one only validates: the HF engine on the policy."""
         if self._engine is None:
-            self._engine = build_engine(self.rollout_config, self.policy, self.tokenizer, seed=self.seed)
+            config = self.rollout_config
+            if config.max_staleness:
+                config = replace(config, engine="hf", weight_sync="full")
+            self._engine = build_engine(config, self.policy, self.tokenizer, seed=self.seed)
         return self._engine
 
     # Checkpointed state beyond the weights -----------------------------------------------------

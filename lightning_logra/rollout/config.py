@@ -50,11 +50,11 @@ class RolloutConfig:
     """vLLM only: ``lowrank`` sends each LoGRA update as (alpha D, seed of A) and a full copy
     every ``full_sync_every`` syncs; ``full`` sends every weight every time."""
     full_sync_every: int = 50
-    """``weight_sync: lowrank``: syncs between two full copies."""
+    """``weight_sync: lowrank``, and LoGRA with ``max_staleness > 0``: syncs between two full copies."""
     max_staleness: int = 0
     """Training steps by which the weights that sample a batch may lag the weights that train on it. 0: each batch is
     sampled by the trained weights in this process (synchronous). 1: a worker process samples the next batch while
-    this one trains (one-step-off-policy; importance sampling corrects for it, ``loss.tis``). HF engine, single-turn."""
+    this one trains (one-step-off-policy; importance sampling corrects for it, ``loss.tis``); single-turn only."""
     worker_threads: int | None = None
     """``max_staleness > 0``: torch threads of the rollout worker process; None: torch's default."""
 
@@ -77,8 +77,6 @@ class RolloutConfig:
         check.integer("full_sync_every", at_least=1)
         check.integer("max_staleness", at_least=0)
         check.integer("worker_threads", at_least=1, optional=True)
-        check.require("max_staleness", self.max_staleness == 0 or self.engine == "hf",
-                      "0 with engine='vllm': the rollout worker process runs the HF engine")
         check.require("max_staleness", self.max_staleness == 0 or not self.dynamic_sampling,
                       "0 with dynamic_sampling: its extra rounds are drawn when a batch's rewards are known")
         check.require("weight_sync", self.weight_sync == "full" or self.engine == "vllm",

@@ -1,5 +1,5 @@
 """A generative judge as a reward function: a causal LM asked for a verdict on each sample,
-generated greedily by the HF rollout engine and parsed; an ordinary reward source of
+generated greedily by the HF or the vLLM rollout engine and parsed; an ordinary reward source of
 ``RewardRunner`` (weighted, logged per function, timed out and counted like the others),
 given to ``RewardConfig.functions`` as an instance (in YAML: ``class_path`` and
 ``init_args``). The learned scorer, a sequence classifier, is ``rewards.models``'s.
@@ -26,13 +26,15 @@ class JudgeReward:
     contains. An answer with none of them scores None: unscored, counted in
     ``reward/unscored`` like any function's None. Named ``judge_<folder or id's last part>``.
 
-    It generates with ``HFRolloutEngine`` (``do_sample=False``). Under several processes each
+    It generates greedily with ``HFRolloutEngine`` (``do_sample=False``) or ``VLLMRolloutEngine``
+    (``engine="vllm"``, temperature 0). Under several processes each
     rank runs its own copy on its own rows; the engine keeps the ranks' ``generate`` calls in
     step, so every rank must score as many batches (as ``GRPOModule`` does)."""
 
     def __init__(self, source: str, template: str, verdicts: dict[str, float] | None = None, *,
                  device: str | torch.device | None = None, dtype: str | None = None, batch_size: int = 16,
-                 max_new_tokens: int = 8) -> None:
+                 max_new_tokens: int = 8, engine: str = "hf", kv_cache_gib: float = 0.5,
+                 gpu_memory_utilization: float = 0.2) -> None:
         """
         Args:
             source: the judge's Hugging Face folder, hub id or built-in model name.
@@ -42,8 +44,10 @@ class JudgeReward:
             dtype: ``float32``, ``bfloat16`` or ``float16``; None: bfloat16 on a GPU, float32 on a CPU.
             batch_size: questions per ``generate`` call.
             max_new_tokens: the most tokens an answer may take.
+            engine: ``hf`` (the HF engine on ``device``) or ``vllm`` (vLLM at temperature 0, on the GPU
+                where there is one: ``gpu_memory_utilization`` of it; else on the CPU with ``kv_cache_gib``).
         """
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         verdicts = {"yes": 1.0, "no": 0.0} if verdicts is None else verdicts
         if not verdicts or not all(re.fullmatch(r"\w+", word) for word in verdicts):
@@ -52,8 +56,10 @@ class JudgeReward:
             raise ValueError(f"judge {source!r}: the template must show the judge the {{completion}}")
         if batch_size < 1:
             raise ValueError(f"judge {source!r}: batch_size must be >= 1, got {batch_size}")
+        if engine not in ("hf", "vllm"):
+            raise ValueError(f"judge {source!r}: engine must be 'hf' or 'vllm', got {engine!r}")
         self.arguments = (source, template, verdicts, device if device is None else str(device), dtype, batch_size,
-                          max_new_tokens)
+                          max_new_tokens, engine, kv_cache_gib, gpu_memory_utilization)
         self.source, self.template, self.batch_size = source, template, batch_size
         self.verdicts = {word.lower(): float(value) for word, value in verdicts.items()}
         self.pattern = re.compile(r"\b(" + "|".join(map(re.escape, self.verdicts)) + r")\b", re.IGNORECASE)
@@ -63,8 +69,19 @@ class JudgeReward:
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()
-        self.engine = HFRolloutEngine(model, self.tokenizer, max_new_tokens=max_new_tokens, do_sample=False)
+        if engine == "vllm":
+            from lightning_logra.rollout.vllm import VLLMRolloutEngine
+
+            self.engine = VLLMRolloutEngine(folder, max_new_tokens=max_new_tokens, temperature=0.0,
+                                            dtype=str(self.dtype).removeprefix("torch."), kv_cache_gib=kv_cache_gib,
+                                            gpu_memory_utilization=gpu_memory_utilization)
+            with torch.device("meta"):
+                shapes = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+            self._weight_bytes = sum(p.numel() for p in shapes.parameters()) * self.dtype.itemsize
+        else:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()
+            self.engine = HFRolloutEngine(model, self.tokenizer, max_new_tokens=max_new_tokens, do_sample=False)
+            self._weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     def __reduce__(self):
         # Pickled (a checkpoint's hyper-parameters hold the reward config) as its arguments,
@@ -72,8 +89,8 @@ class JudgeReward:
         return rebuild_judge, self.arguments
 
     def weight_bytes(self) -> int:
-        """Its weights' bytes on its device (``StepSettings.reward_model_bytes``)."""
-        return sum(p.numel() * p.element_size() for p in self.engine.model.parameters())
+        """Its weights' bytes on its device (``StepSettings.reward_model_bytes``; vLLM's KV cache not included)."""
+        return self._weight_bytes
 
     def questions(self, prompts: list, completions: list, columns: dict[str, list]) -> list[str]:
         questions = []
@@ -102,9 +119,11 @@ class JudgeReward:
 
 
 def rebuild_judge(source: str, template: str, verdicts: dict[str, float], device: str | None, dtype: str | None,
-                  batch_size: int, max_new_tokens: int) -> JudgeReward:
+                  batch_size: int, max_new_tokens: int, engine: str = "hf", kv_cache_gib: float = 0.5,
+                  gpu_memory_utilization: float = 0.2) -> JudgeReward:
     return JudgeReward(source, template, verdicts, device=device, dtype=dtype, batch_size=batch_size,
-                       max_new_tokens=max_new_tokens)
+                       max_new_tokens=max_new_tokens, engine=engine, kv_cache_gib=kv_cache_gib,
+                       gpu_memory_utilization=gpu_memory_utilization)
 
 
 torch.serialization.add_safe_globals([rebuild_judge])

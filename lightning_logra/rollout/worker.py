@@ -1,7 +1,9 @@
 """A rollout engine in a process of its own, for one-step-off-policy training
 (``rollout.max_staleness > 0``): it samples the next batch while the trainer trains on this one.
 
-The worker holds its own copy of the policy and an ``HFRolloutEngine`` on it. The trainer
+The worker holds its own float32 copy of the policy and the configured engine on it (the
+HF engine samples from the copy; vLLM reloads it after each update and proves the reload
+against it, as it does against the trainer in one process). The trainer
 sends it the initial weights once (``load``), then after every training step only what the
 step changed (``update``): a LoGRA step's ``LowRankUpdate`` list (alpha D and the seed of A,
 about rank / width of the weights), else the trainable weights (every weight for dense
@@ -39,15 +41,16 @@ class RolloutWorkerError(RuntimeError):
 class RolloutWorker:
     """The trainer's handle on the worker process. ``model_source`` and ``tokenizer`` build
     the worker's copy as the policy was built (``lora``: with the same adapters), on the
-    CPU, with ``threads`` torch threads (None: torch's default)."""
+    CPU, with ``threads`` torch threads (None: torch's default); ``config.engine`` samples
+    from it (vLLM: reloaded from the copy after every update and checked, ``seed`` its own)."""
 
     def __init__(self, model_source: str, tokenizer, config: RolloutConfig, *, lora=None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, seed: int = 0) -> None:
         context = mp.get_context("spawn")
         self._requests, self._replies = context.Queue(), context.Queue()
         self._process = context.Process(target=_serve, name="logra-rollout-worker", daemon=True,
                                         args=(self._requests, self._replies, model_source, tokenizer, config, lora,
-                                              threads))
+                                              threads, seed))
         self._process.start()
         self._ready: dict[object, tuple] = {}  # replies that arrived before they were asked for
         self._dropped: set[object] = set()
@@ -144,11 +147,12 @@ class RolloutWorker:
             return reply
 
 
-def _serve(requests, replies, model_source: str, tokenizer, config: RolloutConfig, lora, threads: int | None) -> None:
+def _serve(requests, replies, model_source: str, tokenizer, config: RolloutConfig, lora, threads: int | None,
+           seed: int) -> None:
     """The worker process: build the policy copy and its engine, then answer requests in order."""
     try:
         from lightning_logra.models import build_model, with_lora
-        from lightning_logra.rollout.hf import HFRolloutEngine
+        from lightning_logra.rollout.engines import build_engine
 
         if threads is not None:
             torch.set_num_threads(threads)
@@ -156,8 +160,7 @@ def _serve(requests, replies, model_source: str, tokenizer, config: RolloutConfi
         if lora is not None:
             model = with_lora(model, lora).eval()
         model.requires_grad_(False)
-        engine = HFRolloutEngine(model, tokenizer, max_new_tokens=config.max_new_tokens,
-                                 temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
+        engine = build_engine(replace(config, weight_sync="full"), model, tokenizer, seed=seed)
         weights = {canonical_name(name): tensor for name, tensor in model.named_parameters()}
         version = None
         replies.put(("ready",))
@@ -175,6 +178,7 @@ def _serve(requests, replies, model_source: str, tokenizer, config: RolloutConfi
                         update.apply_to(weights[update.name])
                     for name, tensor in received.items():
                         weights[name].copy_(tensor)
+                engine.sync_weights(model)  # vLLM reloads the copy and checks it; the HF engine samples from it
             elif kind == "generate":
                 key, prompts, num_generations, seed = payload
                 torch.manual_seed(seed)

@@ -1,7 +1,7 @@
 """GRPOModule on a tiny random Qwen2: reward functions named by import path, the module and
 its prompt data, a fit that records every batch's metrics, the KL reference-model and export
-runs, a module that records what a resume test compares, and a logger that keeps the
-tables it is given."""
+runs, a module that records what a resume test compares, a logger that keeps the
+tables it is given, and a callback that compares a rollout worker's weights with the trainer's."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from lightning.pytorch.loggers import Logger
 from transformers import AutoModelForCausalLM
 
 from lightning_logra import LoGRAConfig, LoGRAFSDPStrategy
+from lightning_logra.core.projection import canonical_name
 from lightning_logra.data import PromptDataModule
 from lightning_logra.models import load_policy
+from lightning_logra.modules.async_rollouts import trained_weights
 from lightning_logra.modules import BatchingConfig, GRPOModule, LossConfig, OptimizerConfig, RewardConfig, RolloutConfig
 from lightning_logra.rl.logprobs import sequence_logprobs
 from tests.helpers.lightning import record_step_inputs
@@ -113,6 +115,23 @@ def fit_grpo(grpo, folder, steps=2, strategy="auto", loggers=False, data_options
     if caught_warnings is not None:
         caught_warnings.extend(caught)
     return trainer, logged
+
+
+# -- One-step-off rollouts: the worker beside the trainer --
+
+
+class WorkerMirror(L.Callback):
+    """After every training step (its sync sent): the largest |worker - trainer| weight and what the step logged."""
+
+    def __init__(self) -> None:
+        self.gaps, self.staleness, self.sync_bytes = [], [], []
+
+    def on_train_batch_end(self, trainer, module, *args):
+        theirs = module._async.worker.weights()
+        ours = {canonical_name(n): t for n, t in trained_weights(module.policy, trainable_only=False).items()}
+        self.gaps.append(max(float((theirs[name] - tensor).abs().max()) for name, tensor in ours.items()))
+        self.staleness.append(float(trainer.callback_metrics["rollout/staleness"]))
+        self.sync_bytes.append(float(trainer.callback_metrics["perf/weight_sync_bytes"]))
 
 
 # -- A KL reference model --

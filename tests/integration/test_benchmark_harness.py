@@ -119,6 +119,7 @@ RENDERED = [
     ("fits", "fits.json", []),
     ("beyond_math", "beyond_math.json", []),
     ("sft_tools", "sft_tools.json", []),
+    ("async_rollouts", "async_rollouts.json", []),
     ("step_kl", "step_kl.json", []),
     ("step_kl_rows", "step_kl_rows.json", []),
     ("peers", "peers.json", []),

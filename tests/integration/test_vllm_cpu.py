@@ -14,7 +14,7 @@ from lightning_logra import LoGRACallback, LoGRAConfig, LoGRAFSDPStrategy
 from lightning_logra.data import PromptDataModule
 from lightning_logra.modules import BatchingConfig, GRPOModule, OptimizerConfig, RolloutConfig
 from tests.helpers.distributed import run_lightning_on_two_ranks
-from tests.helpers.grpo import reward_config
+from tests.helpers.grpo import WorkerMirror, reward_config
 from tests.helpers.models import byte_tokenizer, favour_token
 from tests.helpers.tools import add
 
@@ -95,7 +95,7 @@ def test_weight_sync_is_proven_and_a_stale_engine_is_caught(engine, folder):
     torch.testing.assert_close(sampled, trainer, rtol=0, atol=1e-4)
 
 
-def fit_with_vllm(folder, strategy, steps=2, devices=1, max_new_tokens=6, tools=None, **rollout):
+def fit_with_vllm(folder, strategy, steps=2, devices=1, max_new_tokens=6, tools=None, callbacks=(), **rollout):
     grpo = GRPOModule(model=folder, rollout=RolloutConfig(engine="vllm", num_generations=2, max_new_tokens=max_new_tokens,
                                                           val_generations=2, kv_cache_gib=0.25, **rollout),
                       optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, decay_steps=0),
@@ -111,7 +111,8 @@ def fit_with_vllm(folder, strategy, steps=2, devices=1, max_new_tokens=6, tools=
         warnings.simplefilter("ignore")
         L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  limit_val_batches=0, callbacks=[Capture(), LoGRACallback()] if strategy != "auto" else [Capture()]).fit(grpo, data)
+                  limit_val_batches=0, callbacks=[Capture(), *([LoGRACallback()] if strategy != "auto" else []),
+                                                  *callbacks]).fit(grpo, data)
     return grpo, logged
 
 
@@ -189,6 +190,18 @@ def test_low_rank_sync_refuses_updates_that_are_not_logra(folder):
         fit_with_vllm(folder, "auto", steps=1, weight_sync="lowrank")
 
 
+def test_one_step_off_vllm_worker_follows_every_logra_update(folder):
+    # vLLM in the rollout worker process: the trainer sends each update's (alpha D, seed) to
+    # the worker, whose float32 copy follows bit for bit; vLLM reloads the copy and proves it
+    # after every sync (a stale reload raises there and fails the run here).
+    strategy, mirror = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3)), WorkerMirror()
+    grpo, logged = fit_with_vllm(folder, strategy, steps=3, max_staleness=1, worker_threads=1, callbacks=[mirror])
+    assert strategy.logra_optimizer.update_count == 3
+    assert mirror.gaps == [0.0, 0.0, 0.0] and mirror.staleness == [0.0, 1.0, 1.0]
+    targets = sum(state.weight.shape[0] for state in strategy.logra_optimizer.sketches)
+    assert mirror.sync_bytes == [float(targets * 8 * 4 + 8 * 14)] * 3
+
+
 def _two_rank_logra_with_vllm(rank, world, folder, weight_sync):
     strategy = LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
     grpo, logged = fit_with_vllm(folder, strategy, devices=2, steps=3, weight_sync=weight_sync)
@@ -213,3 +226,24 @@ def test_two_processes_sync_fsdp2_shards_into_their_engines(folder, weight_sync)
     assert gap0 <= 1e-4 and gap1 <= 1e-4
     assert max(gaps0) < 1e-3 and gaps0 == gaps1  # the metric is reduced over ranks
     assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))
+
+
+def test_a_generative_judge_answers_through_vllm_as_through_hf(tmp_path):
+    # A judge whose head favours the byte "y" at every position (the other logits 0): greedy
+    # answers hold "y" on both engines, and both score each sample 1.
+    from lightning_logra.rollout.judge import JudgeReward
+
+    tokenizer = byte_tokenizer(tmp_path)
+    model = vllm_sized_qwen2(len(tokenizer))
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        favour_token(model, tokenizer.convert_tokens_to_ids("y"), strength=50.0)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    template = "Is {completion} the answer to {prompt}? Say y or n."
+    judges = [JudgeReward(str(tmp_path), template, {"y": 1.0, "n": 0.0}, engine=engine, max_new_tokens=4,
+                          kv_cache_gib=0.25) for engine in ("hf", "vllm")]
+    scores = [judge(["4", "5", "6"], prompts=["2 + 2?"] * 3) for judge in judges]
+    assert scores == [[1.0, 1.0, 1.0]] * 2
+    assert judges[1].weight_bytes() == judges[0].weight_bytes()  # float32 on CPU, counted from the shapes

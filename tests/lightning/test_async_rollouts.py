@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from lightning_logra import LoGRAConfig, LoGRAFSDPStrategy
-from lightning_logra.core.projection import canonical_name
 from lightning_logra.data import PromptDataModule
 from lightning_logra.modules import LoRAConfig, LossConfig, RolloutConfig
-from lightning_logra.modules.async_rollouts import AsyncRollouts, trained_weights
+from lightning_logra.modules.async_rollouts import AsyncRollouts
 from lightning_logra.rollout.config import RolloutConfig as Config
-from tests.helpers.grpo import grpo_module
+from tests.helpers.distributed import run_lightning_on_two_ranks
+from tests.helpers.grpo import WorkerMirror, grpo_module
 
 # -- What is asked for, and when --
 
@@ -105,7 +105,6 @@ def test_a_batch_other_than_the_loaders_next_is_refused():
 
 
 @pytest.mark.parametrize(("options", "match"), [
-    ({"engine": "vllm"}, "rollout worker process runs the HF engine"),
     ({"dynamic_sampling": True}, "0 with dynamic_sampling"),
     ({"worker_threads": 0}, "worker_threads = 0 is invalid"),
 ])
@@ -127,21 +126,7 @@ def test_one_step_off_tool_rollouts_are_refused(model_folder):
                     tools=["tests.helpers.tools:add"])
 
 
-# -- Whole fits with the worker process --
-
-
-class WorkerMirror(L.Callback):
-    """After every training step (its sync sent): the largest |worker - trainer| weight and what the step logged."""
-
-    def __init__(self) -> None:
-        self.gaps, self.staleness, self.sync_bytes = [], [], []
-
-    def on_train_batch_end(self, trainer, module, *args):
-        theirs = module._async.worker.weights()
-        ours = {canonical_name(n): t for n, t in trained_weights(module.policy, trainable_only=False).items()}
-        self.gaps.append(max(float((theirs[name] - tensor).abs().max()) for name, tensor in ours.items()))
-        self.staleness.append(float(trainer.callback_metrics["rollout/staleness"]))
-        self.sync_bytes.append(float(trainer.callback_metrics["perf/weight_sync_bytes"]))
+# -- Whole fits with the worker process (a process each: integration tests) --
 
 
 def data(folder, train_size=16):
@@ -150,8 +135,8 @@ def data(folder, train_size=16):
 
 
 def fit(module, folder, strategy="auto", steps=3, callbacks=(), train_size=16, ckpt_path=None,
-        enable_checkpointing=False):
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+        enable_checkpointing=False, devices=1):
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=enable_checkpointing, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, callbacks=list(callbacks))
     with warnings.catch_warnings():
@@ -169,6 +154,7 @@ def logra():
     return LoGRAFSDPStrategy(logra=LoGRAConfig(rank=8, update_ratio=1e-3))
 
 
+@pytest.mark.integration
 def test_under_logra_the_worker_follows_each_step_by_its_low_rank_update_bit_for_bit(model_folder):
     mirror, module = WorkerMirror(), one_step_off(model_folder)
     fit(module, model_folder, logra(), callbacks=[mirror])
@@ -180,6 +166,7 @@ def test_under_logra_the_worker_follows_each_step_by_its_low_rank_update_bit_for
     assert module._async is None  # the worker stops with the fit
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["dense", "lora"])
 def test_dense_and_lora_workers_receive_the_trained_weights_bit_for_bit(model_folder, method):
@@ -192,6 +179,7 @@ def test_dense_and_lora_workers_receive_the_trained_weights_bit_for_bit(model_fo
     assert mirror.sync_bytes == [float(trained)] * 3  # every weight for dense, the adapters for LoRA
 
 
+@pytest.mark.integration
 def test_the_first_step_equals_the_synchronous_runs(model_folder):
     """Step 0's batch is sampled from the same weights with the same seed in the worker as in
     this process: one step of each mode ends at the same weights."""
@@ -203,6 +191,7 @@ def test_the_first_step_equals_the_synchronous_runs(model_folder):
     assert all(torch.equal(p, ours[n]) for n, p in synchronous.policy.named_parameters())
 
 
+@pytest.mark.integration
 def test_a_resume_equals_the_uninterrupted_run_with_the_same_schedule(model_folder, tmp_path):
     """4 prompts, 2 per step: an epoch is 2 steps, and the pipeline restarts with each epoch as
     it does on a resume. Resuming from the checkpoint written after epoch 0 (in-flight batches
@@ -216,3 +205,19 @@ def test_a_resume_equals_the_uninterrupted_run_with_the_same_schedule(model_fold
     assert mirror.staleness == [0.0, 1.0] and mirror.gaps == [0.0, 0.0]
     ours = dict(resumed.policy.named_parameters())
     assert all(torch.equal(p, ours[n]) for n, p in uninterrupted.policy.named_parameters())
+
+
+def _two_ranks_one_step_off(rank, world, folder):
+    mirror = WorkerMirror()
+    fit(one_step_off(folder), folder, logra(), steps=3, callbacks=[mirror], devices=2)
+    return mirror.gaps, mirror.staleness
+
+
+@pytest.mark.distributed
+def test_on_two_processes_each_rank_feeds_its_own_worker(model_folder):
+    """Each rank samples its own prompts in its own worker; LoGRA's factors are gathered by
+    rows and applied to whole weights there, the trainer's to row shards: the same updates,
+    rounded differently (hence a tolerance; one process is exact)."""
+    (gaps0, staleness0), (gaps1, staleness1) = run_lightning_on_two_ranks(_two_ranks_one_step_off, model_folder)
+    assert staleness0 == staleness1 == [0.0, 1.0, 1.0]
+    assert max(gaps0 + gaps1) <= 1e-6

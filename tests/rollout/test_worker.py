@@ -10,6 +10,8 @@ from lightning_logra.rollout.config import RolloutConfig
 from lightning_logra.rollout.hf import HFRolloutEngine
 from lightning_logra.rollout.worker import RolloutWorker, RolloutWorkerError
 
+pytestmark = pytest.mark.integration  # each test starts a worker process
+
 CONFIG = RolloutConfig(num_generations=2, max_new_tokens=6)
 PROMPTS = ["1 + 2 =", "7 - 3 ="]
 
