@@ -30,7 +30,8 @@ def test_defaults_are_unchanged():
     assert dataclasses.asdict(RolloutConfig()) == dict(
         engine="hf", num_generations=8, max_new_tokens=256, temperature=1.0, top_p=1.0, top_k=0,
         dynamic_sampling=False, max_sampling_rounds=3, val_temperature=0.7, val_top_p=0.7, val_generations=4,
-        gpu_memory_utilization=0.3, kv_cache_gib=1.0, weight_sync="full", full_sync_every=50)
+        gpu_memory_utilization=0.3, kv_cache_gib=1.0, weight_sync="full", full_sync_every=50,
+        max_staleness=0, worker_threads=None)
     assert dataclasses.asdict(OptimizerConfig()) == dict(
         lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0, warmup_steps=9, decay_steps=300, min_lr_ratio=0.1)
     assert dataclasses.asdict(LoRAConfig()) == dict(
