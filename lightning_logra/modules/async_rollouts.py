@@ -131,3 +131,18 @@ def trained_weights(policy: nn.Module, *, trainable_only: bool) -> dict[str, tor
     for autograd and travel as low-rank updates)."""
     return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
             for name, p in policy.named_parameters() if p.requires_grad or not trainable_only}
+
+
+def steps_done(trainer) -> int:
+    """Training steps (prompt batches) before the current one: Lightning's count of completed
+    batches, which its checkpoints save and restore."""
+    return trainer.fit_loop.epoch_loop.batch_progress.total.completed
+
+
+def last_step(trainer, index: int, updates_per_step: int) -> int | None:
+    """The index of the run's last training step where ``max_steps`` (optimizer steps) fixes
+    it, seen from step ``index``; skipped updates may add steps, which are then sampled
+    without a head start. None without ``max_steps``."""
+    if trainer.max_steps < 0:
+        return None
+    return index + -(-(trainer.max_steps - trainer.global_step) // updates_per_step) - 1

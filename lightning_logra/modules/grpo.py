@@ -27,7 +27,7 @@ from lightning_logra.hooks import ReportsLoGRASteps
 from lightning_logra.models import build_model, load_tokenizer, model_source, with_lora
 from lightning_logra.modules.arguments import DEPRECATED_ALIASES, check_arguments, config_groups, micro_batching
 from lightning_logra.modules.completions import completion_table, log_completion_table
-from lightning_logra.modules.async_rollouts import AsyncRollouts
+from lightning_logra.modules.async_rollouts import AsyncRollouts, last_step, steps_done
 from lightning_logra.modules.engines import step_low_rank_updates, sync_engine
 from lightning_logra.modules.multi_turn import build_multi_turn, prompt_conversations
 from lightning_logra.modules.prompt_checks import (
@@ -408,18 +408,19 @@ class GRPOModule(L.LightningModule):
     def _sample_ahead(self, batch: dict[str, list], phases: "PhaseClock") -> ScoredRollouts:
         """This step's rollouts from the worker process, which samples the next batches meanwhile;
         ``generation`` times the wait for them."""
+        config, updates_per_step = self.rollout_config, self.batching.num_iterations * self.batching.mini_batches
         if self._async is None:
-            config = self.rollout_config
             self._async = AsyncRollouts(
                 lambda: RolloutWorker(self._model_source, self.tokenizer, config, lora=self._lora,
                                       threads=config.worker_threads, seed=self.seed),
                 max_staleness=config.max_staleness, num_generations=config.num_generations,
-                full_sync_every=config.full_sync_every, seed_of=lambda index: sampling_seed(self.seed, index * self._updates_per_step, self.global_rank))
-        index = self._steps_done()
+                full_sync_every=config.full_sync_every,
+                seed_of=lambda index: sampling_seed(self.seed, index * updates_per_step, self.global_rank))
+        index = steps_done(self.trainer)
         with memory_phase("rollout", ROLLOUT_HINT):
             rollouts, version = self._async.rollouts(batch, index=index, epoch=self.current_epoch,
-                                                     loader=self.trainer.train_dataloader,
-                                                     last_index=self._last_step(index), policy=self.policy)
+                                                     loader=self.trainer.train_dataloader, policy=self.policy,
+                                                     last_index=last_step(self.trainer, index, updates_per_step))
         self._staleness = index - version
         phases.lap("generation")
         return self._score(batch, rollouts, phases)
@@ -431,22 +432,7 @@ class GRPOModule(L.LightningModule):
             raise RuntimeError(f"{updates} LoGRA updates ran but {len(self._low_rank_updates)} reported their "
                                "low-rank form: the rollout worker cannot follow them")
         self._async.sync(self.policy, [u for step in self._low_rank_updates for u in step],
-                         version=self._steps_done() + 1)
-
-    @property
-    def _updates_per_step(self) -> int:
-        return self.batching.num_iterations * self.batching.mini_batches
-
-    def _steps_done(self) -> int:
-        """Training steps (prompt batches) before this one: Lightning's count, saved in checkpoints."""
-        return self.trainer.fit_loop.epoch_loop.batch_progress.total.completed
-
-    def _last_step(self, index: int) -> int | None:
-        """The index of the run's last training step where ``max_steps`` fixes it (skipped updates
-        may add steps: those are then sampled without a head start)."""
-        if self.trainer.max_steps < 0:
-            return None
-        return index + -(-(self.trainer.max_steps - self.global_step) // self._updates_per_step) - 1
+                         version=steps_done(self.trainer) + 1)
 
     def teardown(self, stage: str) -> None:
         if self._async is not None:

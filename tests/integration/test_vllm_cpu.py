@@ -229,8 +229,9 @@ def test_two_processes_sync_fsdp2_shards_into_their_engines(folder, weight_sync)
 
 
 def test_a_generative_judge_answers_through_vllm_as_through_hf(tmp_path):
-    # A judge whose head favours the byte "y" at every position (the other logits 0): greedy
-    # answers hold "y" on both engines, and both score each sample 1.
+    # A judge whose head scores the byte "y" along the mean hidden state and every other token 0:
+    # on these two questions its first greedy token is "y" (the HF engine's answers, checked on
+    # this seed's model), on both engines, so both score each sample 1.
     from lightning_logra.rollout.judge import JudgeReward
 
     tokenizer = byte_tokenizer(tmp_path)
@@ -242,8 +243,8 @@ def test_a_generative_judge_answers_through_vllm_as_through_hf(tmp_path):
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     template = "Is {completion} the answer to {prompt}? Say y or n."
-    judges = [JudgeReward(str(tmp_path), template, {"y": 1.0, "n": 0.0}, engine=engine, max_new_tokens=4,
+    judges = [JudgeReward(str(tmp_path), template, {"y": 1.0, "n": 0.0}, engine=engine, max_new_tokens=1,
                           kv_cache_gib=0.25) for engine in ("hf", "vllm")]
-    scores = [judge(["4", "5", "6"], prompts=["2 + 2?"] * 3) for judge in judges]
-    assert scores == [[1.0, 1.0, 1.0]] * 2
+    scores = [judge(["5", "6"], prompts=["2 + 2?"] * 2) for judge in judges]
+    assert scores == [[1.0, 1.0]] * 2
     assert judges[1].weight_bytes() == judges[0].weight_bytes()  # float32 on CPU, counted from the shapes
