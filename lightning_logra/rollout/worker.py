@@ -151,11 +151,15 @@ def _serve(requests, replies, model_source: str, tokenizer, config: RolloutConfi
            seed: int) -> None:
     """The worker process: build the policy copy and its engine, then answer requests in order."""
     try:
+        import transformers
+
         from lightning_logra.models import build_model, with_lora
         from lightning_logra.rollout.engines import build_engine
 
         if threads is not None:
             torch.set_num_threads(threads)
+        # from_pretrained's "Loading weights" bar would cut into the trainer's progress bar mid-run
+        transformers.utils.logging.disable_progress_bar()
         model = build_model(model_source, tokenizer, empty=False, train=False)
         if lora is not None:
             model = with_lora(model, lora).eval()
