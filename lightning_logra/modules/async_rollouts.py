@@ -43,7 +43,6 @@ class AsyncRollouts:
                  seed_of: Callable[[int], int], full_sync_every: int = 50) -> None:
         self._start_worker = start_worker
         self.full_sync_every = full_sync_every
-        self._syncs = 0
         self.max_staleness = max_staleness
         self.num_generations = num_generations
         self._seed_of = seed_of
@@ -90,11 +89,10 @@ class AsyncRollouts:
         """After a training step: its LoGRA updates (``low_rank_updates``, all of them) and the
         weights trained otherwise (every weight for dense, the adapters for LoRA; under LoGRA
         none, unless non-targets train); the worker's policy becomes ``version``. Every
-        ``full_sync_every``-th sync of LoGRA updates sends every weight instead: under FSDP2
+        ``full_sync_every``-th version reached by LoGRA updates gets every weight instead: under FSDP2
         the trainer applies each update to its row shard, the worker to whole weights, and
         the two round differently (by up to about 1e-7 per update); one process stays exact."""
-        self._syncs += 1
-        if low_rank_updates and self._syncs % self.full_sync_every == 0:
+        if low_rank_updates and version % self.full_sync_every == 0:
             self.worker.load(trained_weights(policy, trainable_only=False), version)
         else:
             self.worker.update(low_rank_updates, trained_weights(policy, trainable_only=True), version)

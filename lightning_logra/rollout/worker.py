@@ -79,15 +79,10 @@ class RolloutWorker:
     def receive(self, key) -> tuple[Rollouts, int]:
         """The rollouts asked for under ``key`` and the policy version that sampled them (waits)."""
         while key not in self._ready:
-            kind, *payload = self._next_reply()
-            if kind == "rollouts" and payload[0] in self._dropped:
-                self._dropped.discard(payload[0])
-            elif kind == "rollouts":
-                self._ready[payload[0]] = tuple(payload[1:])
-            else:
-                raise RolloutWorkerError(f"the rollout worker answered {kind!r} while rollouts were awaited")
-        rollouts, version = self._ready.pop(key)
-        return rollouts, version
+            other = self._file_rollouts(self._next_reply())
+            if other is not None:
+                raise RolloutWorkerError(f"the rollout worker answered {other[0]!r} while rollouts were awaited")
+        return self._ready.pop(key)
 
     def drop(self, key) -> None:
         """Forget a request: its rollouts are thrown away when they arrive."""
@@ -124,13 +119,20 @@ class RolloutWorker:
 
     def _wait_for(self, expected: str) -> tuple:
         while True:
-            kind, *payload = self._next_reply()
-            if kind == expected:
-                return tuple(payload)
-            if kind == "rollouts" and payload[0] not in self._dropped:
-                self._ready[payload[0]] = tuple(payload[1:])
-            elif kind == "rollouts":
-                self._dropped.discard(payload[0])
+            reply = self._file_rollouts(self._next_reply())
+            if reply is not None and reply[0] == expected:
+                return tuple(reply[1:])
+
+    def _file_rollouts(self, reply: tuple) -> tuple | None:
+        """Keep a reply of rollouts for ``receive`` (or throw it away if dropped); any other reply is returned."""
+        if reply[0] != "rollouts":
+            return reply
+        key, *answer = reply[1:]
+        if key in self._dropped:
+            self._dropped.discard(key)
+        else:
+            self._ready[key] = tuple(answer)
+        return None
 
     def _next_reply(self) -> tuple:
         while True:
