@@ -22,17 +22,15 @@ checkpointing; one packed row of 4k or 16k tokens per micro-batch; no KL referen
 vLLM share), dense AdamW vs LoRA r=256 vs LoGRA r=256, marking what fits in 80 GB with a
 4 GiB margin (CUDA context, NCCL buffers, allocator slack).
 
-``--search``: the CPU analog of the paper's headline. Qwen2.5-shaped random models (the
-Qwen2.5-3B decoder layer: hidden 2048, MLP 11008, 16 heads, 2 KV heads, 151,936-token tied
-vocabulary; the number of layers searched), each in a fresh process that builds the model,
-samples a short generation (2 prompts x 2 generations, 24 + 8 tokens) and runs two RL steps
-on it; the process is killed if its RSS passes ``--budget-gib`` (default: this machine's
-memory less 1.5 GiB for the system). The largest depth whose steps complete, per method.
-Run it alone: nothing else may hold memory meanwhile.
+``--search`` (``fits_search``): the CPU analog of the paper's headline, the largest
+Qwen2.5-shaped model whose RL step completes in ``--budget-gib`` of RSS per process (default:
+this machine's memory less 1.5 GiB for the system), for our dense AdamW, LoRA and LoGRA and
+for TRL's ``GRPOTrainer`` full-parameter and with LoRA. Run it alone: nothing else may hold
+memory meanwhile.
 
     python -m benchmarks.fits --validate    # about 30 minutes on 2 cores
     python -m benchmarks.fits --table       # seconds (meta device)
-    python -m benchmarks.fits --search      # about 40 minutes, alone on the machine
+    python -m benchmarks.fits --search      # about an hour, alone on the machine
     python -m benchmarks.fits --smoke --out /tmp/fits   # every code path on tiny models (or the parts named)
     python -m benchmarks.fits --render benchmarks/results/fits.json
 """
@@ -59,8 +57,6 @@ METHODS = ("dense", "lora", "logra")
 TOLERANCE = 0.15
 SMOLLM2_135M = dict(arch="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
-QWEN25_3B_LAYER = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
-                       vocab_size=151936, tie_word_embeddings=True)
 DEVICE_BYTES, MARGIN_BYTES = 80 * 10**9, 4 * GIB
 TABLE_TOKENS = (4096, 16384)
 ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -253,43 +249,6 @@ def table(shapes: dict[str, dict]) -> list[dict]:
     return rows
 
 
-def search(budget_bytes: int, *, smoke: bool = False) -> list[dict]:
-    """Per method, the largest depth of the Qwen2.5-3B layer whose two steps complete."""
-    base = dict(SMOKE) if smoke else dict(QWEN25_3B_LAYER)
-    case = dict(case="search", rows=4, generations=2, prompt=24, completion=8, micro_batch_size=4, checkpointing=True,
-                logra_rank=256 if not smoke else 16, world=1, generate=True)
-    rows = []
-    for method in METHODS:
-        # Start from the deepest model the prediction (plus the process's imports) puts under the budget.
-        # Steps of about 5% of the depth: each try of a multi-billion model takes minutes.
-        depth, tried = (2 if smoke else _predicted_depth(base, case, method, budget_bytes)), {}
-        stride = max(1, round(0.05 * depth))
-        while depth not in tried and depth >= 1 and not (smoke and tried):
-            outcome = launch({**case, "shape": {**base, "num_hidden_layers": depth}}, method, budget_bytes=budget_bytes)
-            tried[depth] = outcome
-            print(f"search {method} {depth} layers: {outcome if isinstance(outcome, str) else 'completed'}", flush=True)
-            completed = not isinstance(outcome, str)
-            if completed and depth + stride in tried or not completed and depth - stride in tried:
-                break
-            depth += stride if completed else -stride
-        for depth, outcome in sorted(tried.items()):
-            model = build_model({**base, "num_hidden_layers": depth}, meta=True)
-            rows.append({"method": method, "layers": depth, "parameters": sum(p.numel() for p in model.parameters()),
-                         "completed": not isinstance(outcome, str),
-                         "outcome": outcome if isinstance(outcome, str) else outcome[0]})
-    return rows
-
-
-def _predicted_depth(base: dict, case: dict, method: str, budget_bytes: int) -> int:
-    imports = 600 * MIB  # torch + transformers + peft in the process before the model (measured: about 0.6 GiB)
-    depth = 1
-    while True:
-        shaped = {**case, "shape": {**base, "num_hidden_layers": depth + 1}}
-        if predict(shaped, method).peak + imports > budget_bytes or depth > 400:
-            return depth
-        depth += 1
-
-
 # --- rendering -----------------------------------------------------------------------------------
 
 def render(result: dict) -> str:
@@ -319,21 +278,9 @@ def render(result: dict) -> str:
                 f"{row['peak'] / GIB:,.1f} {'**fits**' if row['fits'] else 'does not fit'}" for row in values) + " |")
         lines.append("")
     if "search" in result:
-        lines += ["## The CPU analog: the largest Qwen2.5-shaped model whose RL step completes here", "",
-                  f"Budget {result['search_budget_gib']:.1f} GiB of RSS per process ({machine_line(result['search_machine'])}, "
-                  f"{result['search_machine'].get('memory_gib', '?')} GiB memory). Each try: build, generate 2 x 2 x 8 "
-                  "tokens, two RL steps.", "",
-                  "| method | layers | parameters | completed | peak RSS GiB | steps s |", "|---|---:|---:|---|---:|---:|"]
-        for row in result["search"]:
-            outcome = row["outcome"]
-            peak = f"{outcome['peak_rss_mib'] / 1024:,.1f}" if row["completed"] else outcome
-            steps = " / ".join(f"{s:.0f}" for s in outcome["step_s"]) if row["completed"] else "-"
-            lines.append(f"| {row['method']} | {row['layers']} | {row['parameters'] / 1e9:.2f}B | "
-                         f"{'yes' if row['completed'] else 'no'} | {peak} | {steps} |")
-        best = {method: max((row for row in result["search"] if row["method"] == method and row["completed"]),
-                            key=lambda row: row["parameters"], default=None) for method in METHODS}
-        lines += ["", "Largest completed: " + "; ".join(
-            f"{method} {row['parameters'] / 1e9:.2f}B" if row else f"{method} none" for method, row in best.items()) + "."]
+        from .fits_search import render_search
+
+        lines += render_search(result)
     if result.get("smoke"):
         lines.append("**Smoke run on tiny models: no figure here is a measurement.**")
     return "\n".join(lines)
@@ -359,6 +306,8 @@ def main() -> None:
     parser.add_argument("--validate", action="store_true", help="measure the validation cases")
     parser.add_argument("--table", action="store_true", help="predict the 8 x 80 GB table")
     parser.add_argument("--search", action="store_true", help="search the largest model per method (alone!)")
+    parser.add_argument("--methods", nargs="+", help="search only these methods (default: all five), keeping "
+                        "the others' rows")
     parser.add_argument("--budget-gib", type=float, help="the search's RSS budget (default: memory less 1.5 GiB)")
     parser.add_argument("--predict-again", action="store_true",
                         help="measure nothing: recompute the validation rows' predictions with the current step_memory")
@@ -367,7 +316,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         case, method = json.loads(args.worker)
-        print(json.dumps(measure_rank(case, method)))
+        if method.startswith("trl_"):
+            from .fits_search import measure_trl
+
+            print(json.dumps(measure_trl(case, method)))
+        else:
+            print(json.dumps(measure_rank(case, method)))
         return
     check_smoke_out(parser, args)
     stem = args.out / "fits"
@@ -394,11 +348,16 @@ def main() -> None:
     if args.search:
         import psutil
 
+        from .fits_search import SEARCH_METHODS, search
+
         total = psutil.virtual_memory().total
         budget = int((args.budget_gib * GIB) if args.budget_gib else total - 1.5 * GIB)
         budget = min(budget, 4 * GIB) if args.smoke else budget
-        result.update(search=search(budget, smoke=args.smoke), search_budget_gib=budget / GIB,
-                      search_machine=machine_info())
+        methods = args.methods or SEARCH_METHODS
+        rows = search(budget, previous=result.get("search", []), methods=methods, smoke=args.smoke)
+        kept = [row for row in result.get("search", []) if row["method"] not in methods] if args.methods else []
+        result.update(search=kept + rows, search_budget_gib=budget / GIB, search_machine=machine_info(),
+                      search_command=command_line("fits"), search_commit=code_version()["git_commit"])
     save_json(stem.with_suffix(".json"), result)
     write_outputs(stem, result, render, plot)
 

@@ -89,13 +89,16 @@ def test_fits_smoke_run_predicts_the_gpu_table_from_shapes(tmp_path):
     assert all(row["peak"] == max(row["backward_peak"], row["update_peak"]) for row in result["table"])
 
 
-@pytest.mark.slow  # 5 minutes: the table above keeps the prediction in the default run
+@pytest.mark.slow  # 6 minutes: the table above keeps the prediction in the default run
 def test_fits_smoke_run_measures_one_and_two_processes_and_searches(tmp_path):
     run("fits", "--smoke", "--validate", "--search", "--out", str(tmp_path))
     result = json.loads((tmp_path / "fits.json").read_text())
     assert {(row["world"], row["method"]) for row in result["validation"]} == {(w, m) for w in (1, 2) for m in MODES}
     assert all(row["measured_mib"] > 0 and len(row["ranks"]) == row["world"] for row in result["validation"])
-    assert [row["method"] for row in result["search"]] == list(MODES) and all(row["completed"] for row in result["search"])
+    assert [row["method"] for row in result["search"]] == [*MODES, "trl_full", "trl_lora"]
+    assert all(row["completed"] for row in result["search"])
+    # TRL's generations are held at the case's 8 tokens, as ours.
+    assert all(row["outcome"]["completion_lengths"] == [8.0, 8.0] for row in result["search"][3:])
 
 
 def test_smoke_runs_refuse_to_overwrite_the_committed_results():
