@@ -37,18 +37,12 @@ memory meanwhile.
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from .harness import (ROOT, argument_parser, build_mode, check_smoke_out, code_version, command_line, load_json,
-                      machine_info, machine_line, micro_batching, pyplot, random_token_rows, replay_rollouts,
-                      save_figure, save_json, status_kib, write_outputs)
+from .fits_runs import build_model, launch, predict
+from .fits_search import SEARCH_METHODS, render_search, search
+from .harness import (argument_parser, check_smoke_out, code_version, command_line, load_json, machine_info,
+                      machine_line, pyplot, save_figure, save_json, write_outputs)
 from .loading import LOADING_MODEL
 from .model_shapes import QWEN_SHAPES, SMOKE
 
@@ -59,7 +53,6 @@ SMOLLM2_135M = dict(arch="llama", hidden_size=576, intermediate_size=1536, num_h
                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
 DEVICE_BYTES, MARGIN_BYTES = 80 * 10**9, 4 * GIB
 TABLE_TOKENS = (4096, 16384)
-ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 VALIDATION_CASES = [
     dict(case="quickstart", shape=SMOLLM2_135M, rows=32, generations=8, prompt=40, completion=16, micro_batch_size=16,
@@ -68,144 +61,6 @@ VALIDATION_CASES = [
            micro_batch_size=1, checkpointing=True, logra_rank=256, world=world) for world in (1, 2)),
 ]
 
-
-
-def build_model(shape: dict, *, meta: bool = False):
-    """A random-init causal LM of ``shape`` (``arch``: qwen2 by default, or llama)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    shape = dict(shape)
-    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                                 "llama": (LlamaConfig, LlamaForCausalLM)}[shape.pop("arch", "qwen2")]
-    with torch.device("meta") if meta else torch.device("cpu"):
-        return model_class(config_class(**shape))
-
-
-def predict(case: dict, method: str):
-    """``step_memory`` of ``case``'s step under ``method``, for a CPU process (float32)."""
-    from lightning_logra import LoGRAConfig
-    from lightning_logra.planning.step_memory import StepSettings, step_memory
-
-    row_tokens = case["prompt"] + case["completion"]
-    settings = StepSettings(method=method, tokens=case["micro_batch_size"] * row_tokens, row_tokens=row_tokens,
-                            world_size=case["world"], masked=False, activation_checkpointing=case["checkpointing"],
-                            cpu_optimizer=True, logra=LoGRAConfig(rank=case["logra_rank"], probe_responses=2,
-                                                                  probe_max_tokens=row_tokens))
-    return step_memory(build_model(case["shape"], meta=True), settings)
-
-
-def measure_rank(case: dict, method: str) -> dict:
-    """One rank's measurement (module docstring); run in a fresh process."""
-    import torch
-    import torch.distributed as dist
-
-    world = case["world"]
-    rank = 0
-    if world > 1:
-        dist.init_process_group("gloo")
-        rank = dist.get_rank()
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    started = time.perf_counter()
-    if not case.get("generate"):
-        # The same step once on a tiny model of the same architecture first: the lazy imports
-        # (model classes, peft, the library's step) and the kernels' first-use workspaces
-        # then sit below the baseline instead of in the step's measurement.
-        tiny = {**case, "shape": {**case["shape"], **{k: v for k, v in SMOKE.items() if k != "tie_word_embeddings"}},
-                "world": 1, "rows": 2, "generations": 2, "prompt": 4, "completion": 4, "micro_batch_size": 1,
-                "logra_rank": 4}
-        _steps(tiny, method, None)
-        gc.collect()
-    baseline = status_kib("VmRSS")
-    shard = None
-    if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from lightning_logra import LoGRAConfig
-        from lightning_logra.strategies.sharding import shard_policy
-
-        mesh = init_device_mesh("cpu", (world,))
-        shard = lambda module: shard_policy(module, mesh, LoGRAConfig().target_modules)  # noqa: E731
-    torch.manual_seed(0)
-    model = build_model(case["shape"])
-    runner, replay, generate_s = _prepare(model, case, method, rank, shard)
-    if not case.get("generate"):  # the step's memory, not the random init's (the search counts everything)
-        Path("/proc/self/clear_refs").write_text("5")
-    step_s = [runner.step(replay)["step"] for _ in range(2)]
-    result = {"rank": rank, "peak_mib": (status_kib("VmHWM") - baseline) / 1024,
-              "peak_rss_mib": status_kib("VmHWM") / 1024, "imports_mib": baseline / 1024,
-              "generate_s": generate_s, "step_s": step_s, "total_s": time.perf_counter() - started}
-    if world > 1:
-        dist.destroy_process_group()
-    return result
-
-
-def _prepare(model, case: dict, method: str, rank: int, shard):
-    """The replayed rollouts of ``case`` (after a short generation when ``case['generate']``)
-    and ``method``'s runner over ``model``."""
-    import torch
-
-    vocab = case["shape"]["vocab_size"]
-    settings = micro_batching(case["completion"], micro_batch_size=case["micro_batch_size"])
-    ids = random_token_rows(case["rows"], case["prompt"], case["completion"], vocab, num_generations=case["generations"],
-                            seed=1 + rank)
-    generate_s = 0.0
-    if case.get("generate"):  # a short sampled generation from the prompts, as a step starts
-        clock = time.perf_counter()
-        with torch.no_grad():
-            ids = model.generate(ids[:, :case["prompt"]], attention_mask=torch.ones_like(ids[:, :case["prompt"]]),
-                                 do_sample=True, min_new_tokens=case["completion"], max_new_tokens=case["completion"],
-                                 pad_token_id=0, eos_token_id=None)
-        generate_s = time.perf_counter() - clock
-    replay = replay_rollouts(model, ids, case["prompt"], num_generations=case["generations"], seed=1 + rank,
-                             settings=settings)
-    runner = build_mode(method, model, settings, probe_responses=2, probe_max_tokens=case["prompt"] + case["completion"],
-                        shard=shard, activation_checkpointing=case["checkpointing"], rank=case["logra_rank"])
-    return runner, replay, generate_s
-
-
-def _steps(case: dict, method: str, shard) -> None:
-    """Two steps of ``case`` on a fresh random model, nothing kept."""
-    import torch
-
-    torch.manual_seed(0)
-    runner, replay, _ = _prepare(build_model(case["shape"]), case, method, 0, shard)
-    for _ in range(2):
-        runner.step(replay)
-
-
-def launch(case: dict, method: str, *, budget_bytes: int | None = None) -> list[dict] | str:
-    """``case`` under ``method`` in ``case['world']`` fresh processes: one result per rank,
-    or why it did not complete (``"over budget"``, or the failure's last lines)."""
-    import psutil
-
-    port = 29500 + (os.getpid() % 2000)
-    processes = []
-    for rank in range(case["world"]):
-        env = dict(os.environ, **ENVIRONMENT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   WORLD_SIZE=str(case["world"]), RANK=str(rank), LOCAL_RANK=str(rank))
-        processes.append(subprocess.Popen([sys.executable, "-m", "benchmarks.fits", "--worker", json.dumps([case, method])],
-                                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    over = False
-    while any(process.poll() is None for process in processes):
-        if budget_bytes is not None:
-            for process in processes:
-                try:
-                    if process.poll() is None and psutil.Process(process.pid).memory_info().rss > budget_bytes:
-                        process.kill()
-                        over = True
-                except psutil.NoSuchProcess:
-                    pass
-        time.sleep(0.1)
-    outputs = [process.communicate() for process in processes]
-    if over:
-        return "over budget"
-    results = []
-    for process, (stdout, stderr) in zip(processes, outputs):
-        if process.returncode != 0:
-            return f"exit {process.returncode}: {stderr.strip().splitlines()[-1] if stderr.strip() else 'no output'}"
-        results.append(json.loads(stdout.strip().splitlines()[-1]))
-    return results
 
 
 def predicted_row(row: dict, case: dict) -> dict:
@@ -278,8 +133,6 @@ def render(result: dict) -> str:
                 f"{row['peak'] / GIB:,.1f} {'**fits**' if row['fits'] else 'does not fit'}" for row in values) + " |")
         lines.append("")
     if "search" in result:
-        from .fits_search import render_search
-
         lines += render_search(result)
     if result.get("smoke"):
         lines.append("**Smoke run on tiny models: no figure here is a measurement.**")
@@ -312,17 +165,7 @@ def main() -> None:
     parser.add_argument("--predict-again", action="store_true",
                         help="measure nothing: recompute the validation rows' predictions with the current step_memory")
     parser.add_argument("--smoke", action="store_true", help="every part on tiny models, measuring nothing")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        case, method = json.loads(args.worker)
-        if method.startswith("trl_"):
-            from .fits_search import measure_trl
-
-            print(json.dumps(measure_trl(case, method)))
-        else:
-            print(json.dumps(measure_rank(case, method)))
-        return
     check_smoke_out(parser, args)
     stem = args.out / "fits"
     if args.render:
@@ -347,8 +190,6 @@ def main() -> None:
         result["table"] = table(QWEN_SHAPES if not args.smoke else {"smoke": SMOKE})
     if args.search:
         import psutil
-
-        from .fits_search import SEARCH_METHODS, search
 
         total = psutil.virtual_memory().total
         budget = int((args.budget_gib * GIB) if args.budget_gib else total - 1.5 * GIB)

@@ -26,13 +26,11 @@ completes and another does not, then bisects between them.
 
 from __future__ import annotations
 
-import tempfile
-import time
-
-from .fits import MIB, build_model, launch, predict
-from .harness import machine_line, status_kib
+from .fits_runs import build_model, launch, predict
+from .harness import machine_line
 from .model_shapes import SMOKE
 
+MIB = 2**20
 QWEN25_3B_LAYER = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
                        vocab_size=151936, tie_word_embeddings=True)
 OURS = ("dense", "lora", "logra")
@@ -42,7 +40,6 @@ SEARCH_METHODS = OURS + TRL_METHODS
 PREDICTED_AS = {"trl_full": "dense", "trl_lora": "lora"}
 LORA_RANK = 256
 SMOLLM2_VOCABULARY = 49152
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TARGET_RATIO = 3.0  # issue 43: LoGRA's model at least 3x TRL full-parameter's
 
 
@@ -112,67 +109,6 @@ def _start_depth(method: str, base: dict, case: dict, budget_bytes: int, previou
             break
         depth += 1
     return depth
-
-
-def measure_trl(case: dict, method: str) -> dict:
-    """One TRL try (``trl_full`` or ``trl_lora``), run in a fresh process: build, then two
-    ``GRPOTrainer`` steps (each generating its own rows)."""
-    import torch
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from lightning_logra.models import load_tokenizer, model_source
-
-    started = time.perf_counter()
-    tokenizer = load_tokenizer(model_source("smollm2-135m-instruct"))
-    words = (" apple", " one", " red", " seven")
-    prompts = [word * case["prompt"] for word in words]
-    if any(len(tokenizer(prompt).input_ids) != case["prompt"] for prompt in prompts):
-        raise SystemExit(f"a TRL prompt is not {case['prompt']} tokens")
-    if len(tokenizer) > case["shape"]["vocab_size"]:
-        raise SystemExit(f"the tokenizer's {len(tokenizer)} ids do not fit the model's vocabulary of "
-                         f"{case['shape']['vocab_size']}")
-    baseline = status_kib("VmRSS")
-    torch.manual_seed(0)
-    model = build_model(case["shape"])
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    stamps: list[float] = []
-
-    class StepClock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            stamps.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            stamps.append(time.perf_counter())
-
-    rank = case["logra_rank"]  # our LoRA's rank in the same case (256; 16 on the smoke run's tiny model)
-    peft_config = (LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
-                   if method == "trl_lora" else None)
-    with tempfile.TemporaryDirectory() as output:
-        config = GRPOConfig(
-            output_dir=output, use_cpu=True, bf16=False, seed=0, max_steps=2, learning_rate=1e-6,
-            per_device_train_batch_size=case["rows"], gradient_accumulation_steps=1,
-            num_generations=case["generations"], max_completion_length=case["completion"],
-            generation_kwargs={"min_new_tokens": case["completion"]}, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
-            gradient_checkpointing=case["checkpointing"], logging_steps=1, save_strategy="no", report_to="none",
-            disable_tqdm=True, dataloader_num_workers=0, shuffle_dataset=False)
-        trainer = GRPOTrainer(model=model, args=config, reward_funcs=[varied_reward],
-                              train_dataset=Dataset.from_list([{"prompt": prompt} for prompt in prompts]),
-                              processing_class=tokenizer, peft_config=peft_config, callbacks=[StepClock()])
-        trainer.train()
-    lengths = [entry["completions/mean_length"] for entry in trainer.state.log_history
-               if "completions/mean_length" in entry]
-    return {"completion_lengths": lengths, "rank": 0, "peak_rss_mib": status_kib("VmHWM") / 1024, "imports_mib": baseline / 1024,
-            "generate_s": None, "step_s": [end - begin for begin, end in zip(stamps[::2], stamps[1::2])],
-            "total_s": time.perf_counter() - started}
-
-
-def varied_reward(completions: list[str], **kwargs) -> list[float]:
-    """A reward that differs between a prompt's generations (so that advantages, and the
-    backward through them, are not zero) without reading anything but the text."""
-    return [float(sum(map(ord, completion)) % 7) for completion in completions]
 
 
 def render_search(result: dict) -> list[str]:

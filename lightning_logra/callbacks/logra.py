@@ -47,7 +47,7 @@ class LoGRACallback(Callback):
     def _memory_metrics(self, trainer) -> dict[str, float]:
         if self._state_mib is None:
             optimizer = trainer.strategy.logra_optimizer
-            compute = next(iter(optimizer.sketches)).projection.dtype
+            compute = next(iter(optimizer.sketches)).source.dtype
             report = memory_report(optimizer.model, optimizer.config, world_size=trainer.world_size, compute_dtype=compute,
                                    sketch_reduction=optimizer.layout.name, sketch_accumulation=optimizer.layout.accumulation)
             self._state_mib = (report.logra_state_bytes / MIB, report.dense_adamw_bytes / MIB)

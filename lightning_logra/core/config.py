@@ -78,6 +78,11 @@ class LoGRAConfig:
     share_projection_by_input: bool = False
     """(ours) q/k/v of one attention block, and gate/up of one MLP, read the same input: with
     this on they share one projection A, so X A^T is computed once per group."""
+    regenerate_projections: bool = False
+    """(ours) Keep no A between uses: draw it again from its seed wherever it is used (the
+    forward or backward of each micro-batch, the KL probe, the update), the same bits, so
+    the updates are those of stored projections exactly. Saves the projections' memory
+    (``memory_report``'s ``projections``) for a draw of each A per use. Rademacher only."""
     # section 1: which weights
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
     """Last name components of the linear layers LoGRA trains (e.g. ``q_proj``)."""
@@ -182,6 +187,9 @@ class LoGRAConfig:
         check.choice("distribution", ("rademacher", "gaussian"))
         check.boolean("redraw_projections")
         check.boolean("share_projection_by_input")
+        check.boolean("regenerate_projections")
+        check.require("regenerate_projections", not (self.regenerate_projections and self.distribution != "rademacher"),
+                      "false with distribution 'gaussian' (Gaussian projections are stored)")
         check.names("target_modules", allow_dots=False)
         check.number("beta2", above=0, below=1)
         check.number("epsilon", above=0)

@@ -58,9 +58,9 @@ def low_rank_updates(sketches: SketchSet, factors: list[torch.Tensor], config: L
             name=f"{state.name}.weight",
             factor=factor.detach().float().cpu(),
             seed=projection_seed(config.seed, update if config.redraw_projections else 0, state.projection_name),
-            width=state.projection.shape[1],
+            width=state.source.width,
             distribution=config.distribution,
-            projection_dtype=state.projection.dtype,
+            projection_dtype=state.source.dtype,
             chunk_rows=config.update_chunk_rows,
         )
         for state, factor in zip(sketches, factors)

@@ -30,7 +30,9 @@ class MemoryReport:
     reference layout (float32 sketches and projections replicated on every rank). With
     sharded accumulation the accumulator holds the rank's rows only, and
     ``accumulation_scratch_bytes`` is the slots that carry one layer's full contribution
-    while it is reduce-scattered."""
+    while it is reduce-scattered. With ``regenerate_projections`` no projection is held
+    (``projection_bytes`` is 0) and ``projection_draw_bytes`` is the transient of one draw
+    of the widest A (its bits and the matrix), live while that A is used."""
 
     layers: int
     target_parameters: int
@@ -39,6 +41,7 @@ class MemoryReport:
     sketch_accumulator_bytes: int
     accumulation_scratch_bytes: int
     projection_bytes: int
+    projection_draw_bytes: int
     second_moment_bytes: int
     logra_state_bytes: int
     dense_adamw_bytes: int
@@ -94,7 +97,9 @@ def memory_report(
     # The reduced sketch becomes the RowAdam directions in place, inside the accumulator
     # (reduce-scatter receives each rank's rows into its own block of it). Only layers
     # whose rows do not split evenly over the ranks need a padded copy (not counted).
-    projections = projection_widths * rank * projection_element
+    projections = 0 if config.regenerate_projections else projection_widths * rank * projection_element
+    widest = max(module.in_features for _, module in targets)
+    draw = widest * rank * (1 + projection_element) if config.regenerate_projections else 0
     moments = owned_rows * FLOAT32
     return MemoryReport(
         layers=len(targets),
@@ -104,6 +109,7 @@ def memory_report(
         sketch_accumulator_bytes=accumulator,
         accumulation_scratch_bytes=scratch,
         projection_bytes=projections,
+        projection_draw_bytes=draw,
         second_moment_bytes=moments,
         logra_state_bytes=accumulator + scratch + projections + moments,
         dense_adamw_bytes=rows_per_rank(parameters, world_size) * 3 * FLOAT32,

@@ -39,7 +39,7 @@ from lightning_logra.core.probe import (
     probe_predicted_kl,
 )
 from lightning_logra.core.projected_input import SharedProjectedInput
-from lightning_logra.core.projection import make_projection, projection_seed
+from lightning_logra.core.projection import projection_seed
 from lightning_logra.core.reliability import memory_phase
 from lightning_logra.core.report import StepReport
 from lightning_logra.core.row_adam import row_adam_directions
@@ -314,7 +314,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         # A projection group shares P = X A^T in the probe too, through a cache of its own.
         probe_caches: dict[int, SharedProjectedInput] = {}
         return [
-            ProbeLayer(module=state.module, projection=state.projection, direction=direction, gather_rows=gather,
+            ProbeLayer(module=state.module, projection=state.source, direction=direction, gather_rows=gather,
                        shared=None if state.shared_input is None else probe_caches.setdefault(
                            id(state.shared_input), SharedProjectedInput(state.shared_input.members)))
             for state, direction, gather in zip(self.sketches, self._prepared.directions, self.layout.row_gatherers())
@@ -427,11 +427,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """Each distinct A in place from its seed name (a shared A once, for its group)."""
         update = self.update_count if self.config.redraw_projections else 0
         for name, projection in self.sketches.projections():
-            seed = projection_seed(self.config.seed, update, name)
-            rank, width = projection.shape
-            projection.copy_(
-                make_projection(rank, width, seed, device=projection.device, dtype=projection.dtype, distribution=self.config.distribution)
-            )
+            projection.redraw(projection_seed(self.config.seed, update, name))
 
     def _check_backward_reached(self, calls: torch.Tensor) -> None:
         if not calls.any():

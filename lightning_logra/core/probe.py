@@ -23,6 +23,7 @@ from lightning_logra.core.kl import kl_per_position, measured_kl, measured_kl_pe
 from lightning_logra.core.probe_batch import ProbeBatch
 from lightning_logra.core.probe_modules import chunks, eval_mode, probe_mode
 from lightning_logra.core.projected_input import SharedProjectedInput, project
+from lightning_logra.core.projection import Projection
 
 
 class EmptyProbeError(FloatingPointError):
@@ -41,7 +42,7 @@ class ProbeLayer:
     one layer's full direction exists at a time, as FSDP2 gathers one block's weights."""
 
     module: nn.Module
-    projection: torch.Tensor  # rank x in_features
+    projection: Projection  # A, rank x in_features
     direction: torch.Tensor  # out_features x rank, or the rank's rows of it with gather_rows
     shared: SharedProjectedInput | None = None
     gather_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -172,7 +173,8 @@ def _tangent_hook(layer: ProbeLayer):
         # bfloat16 output, and the in-place update below does not autocast.
         dtype = primal.dtype
         inputs = fwAD.unpack_dual(args[0]).primal.to(dtype)
-        projected = project(inputs, layer.projection) if layer.shared is None else layer.shared.project(inputs, layer.projection)
+        projected = (project(inputs, layer.projection.matrix()) if layer.shared is None
+                     else layer.shared.project(inputs, layer.projection))
         direction = layer.full_direction().to(dtype)
         if tangent is None:
             return fwAD.make_dual(primal, (projected @ direction.T).neg_().view_as(primal))

@@ -19,6 +19,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from lightning_logra.core.projection import Projection
+
 # share_projection_by_input: targets of one parent module with the same input width whose
 # last name components are listed together here read the same input tensor (every Hugging
 # Face decoder: Llama, Qwen2, Mistral, Gemma, ...), so they can share A and P = X A^T.
@@ -92,7 +94,7 @@ class SharedProjectedInput:
         self.key: tuple | None = None
         self.uses = 0
 
-    def project(self, inputs: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    def project(self, inputs: torch.Tensor, projection: Projection) -> torch.Tensor:
         key = _input_key(inputs, projection)
         if self.inputs is not None and key == self.key:
             projected = self.projected
@@ -100,12 +102,12 @@ class SharedProjectedInput:
             if self.uses >= self.members:
                 self.clear()
             return projected
-        projected = project(inputs, projection)
+        projected = project(inputs, projection.matrix())
         self.inputs, self.projected, self.key, self.uses = inputs, projected, key, 1
         return projected
 
 
-def _input_key(inputs: torch.Tensor, projection: torch.Tensor) -> tuple:
+def _input_key(inputs: torch.Tensor, projection: Projection) -> tuple:
     return (
         inputs.untyped_storage().data_ptr(),
         inputs.storage_offset(),
@@ -114,7 +116,7 @@ def _input_key(inputs: torch.Tensor, projection: torch.Tensor) -> tuple:
         inputs.dtype,
         inputs.device,
         inputs._version,
-        projection._version,
+        projection.version,
         AutocastState.current(inputs.device.type),
     )
 

@@ -3,6 +3,8 @@
 Every rank, device and run must derive the same A for a layer and update, so that
 sketches are reducible across ranks and a resumed run is bit-identical: the seed depends
 only on (base seed, update count, canonical layer name), and the draw uses a CPU generator.
+Because A is a function of its seed, it need not be kept: a ``Projection`` either stores
+its matrix or draws it again at every use (``regenerate_projections``), the same bits.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -54,6 +57,8 @@ def make_projection(
     generator.manual_seed(seed)
     if distribution == "rademacher":
         bits = torch.randint(0, 2, (rank, width), generator=generator, dtype=torch.uint8)
+        if projection_is_exact(rank, distribution, dtype):
+            return _signs(bits, torch.empty(rank, width, dtype=dtype)).to(device)
         signs = bits.to(torch.float64).mul_(2.0).sub_(1.0)
         matrix = signs.mul_(1.0 / math.sqrt(rank))
     elif distribution == "gaussian":
@@ -61,6 +66,13 @@ def make_projection(
     else:
         raise ValueError(f"distribution must be 'rademacher' or 'gaussian', got {distribution!r}")
     return matrix.to(device=device, dtype=dtype)
+
+
+def _signs(bits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """+-1/sqrt(rank) from 0/1 ``bits`` into ``out``: 2b/sqrt(r) - 1/sqrt(r), exact in
+    ``out``'s dtype when ``projection_is_exact`` (the float64 route's bits, much faster)."""
+    scale = 1.0 / math.sqrt(bits.shape[0])
+    return out.copy_(bits).mul_(2.0 * scale).sub_(scale)
 
 
 def auto_rank(widths: Iterable[int]) -> int:
@@ -118,3 +130,65 @@ def projection_storage_dtype(rank: int, distribution: str, compute_dtype: torch.
     if compute_dtype == torch.float64:
         return torch.float64
     return compute_dtype if projection_is_exact(rank, distribution, compute_dtype) else torch.float32
+
+
+@dataclass(eq=False)
+class Projection:
+    """One A (``rank`` x ``width``) and the seed it is drawn from: stored once per draw, or,
+    with ``stored=None`` (``regenerate_projections``), drawn again at every use, which holds
+    no memory between uses and gives the same bits."""
+
+    rank: int
+    width: int
+    seed: int
+    dtype: torch.dtype
+    device: torch.device
+    distribution: str
+    stored: torch.Tensor | None
+
+    @classmethod
+    def draw(cls, rank: int, width: int, seed: int, *, device: torch.device, dtype: torch.dtype, distribution: str,
+             regenerate: bool = False) -> Projection:
+        projection = cls(rank, width, seed, dtype, torch.device(device), distribution, None)
+        if not regenerate:
+            projection.stored = projection._draw()
+        return projection
+
+    def matrix(self) -> torch.Tensor:
+        """A itself: the stored tensor (updated in place by ``redraw``), or a fresh draw."""
+        return self.stored if self.stored is not None else self._draw()
+
+    def draw_into(self, out: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """A drawn into ``out`` (rank x width, float32 or float64) through ``bits`` (a uint8
+        CPU buffer of at least rank x width elements), allocating no tensor: for applying
+        an update, where nothing may run out of memory once the first weight has changed."""
+        if self.distribution != "rademacher" or not projection_is_exact(self.rank, self.distribution, out.dtype):
+            raise ValueError(f"draw_into needs exact Rademacher entries in {out.dtype}")
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(self.seed)
+        drawn = bits[: self.rank * self.width].view(self.rank, self.width)
+        torch.randint(0, 2, drawn.shape, generator=generator, out=drawn)
+        return _signs(drawn, out)
+
+    def redraw(self, seed: int) -> None:
+        self.seed = seed
+        if self.stored is not None:
+            self.stored.copy_(self._draw())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rank, self.width)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held between uses: none when regenerated."""
+        return 0 if self.stored is None else self.stored.nbytes
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """Changes whenever A does (a new seed, or an in-place change of the stored tensor)."""
+        return (self.seed, 0 if self.stored is None else self.stored._version)
+
+    def _draw(self) -> torch.Tensor:
+        return make_projection(self.rank, self.width, self.seed, device=self.device, dtype=self.dtype,
+                               distribution=self.distribution)

@@ -33,8 +33,8 @@ from lightning_logra.core.projected_input import (
     under_activation_checkpointing,
 )
 from lightning_logra.core.projection import (
+    Projection,
     canonical_name,
-    make_projection,
     projection_seed,
     projection_storage_dtype,
     resolve_rank,
@@ -47,7 +47,7 @@ class SketchState:
 
     name: str
     module: nn.Linear
-    projection: torch.Tensor  # A: rank x in_features (one tensor object for a shared group)
+    source: Projection  # A: rank x in_features, stored or regenerated (one object for a shared group)
     sketch: torch.Tensor  # S: out_features x rank, float32, a view into one flat buffer (owned rows only when sharded)
     second_moment: torch.Tensor  # v: one float32 entry per weight row (per owned row when row-sharded)
     backward_calls: int = 0
@@ -66,12 +66,17 @@ class SketchState:
     def weight(self) -> nn.Parameter:
         return self.module.weight
 
+    @property
+    def projection(self) -> torch.Tensor:
+        """A itself (drawn afresh at each access when regenerated)."""
+        return self.source.matrix()
+
     def project(self, inputs: torch.Tensor) -> torch.Tensor:
         """P = X A^T for this layer: computed, or taken from the group member that already
         computed it for the same input tensor."""
         if self.shared_input is None:
-            return project(inputs, self.projection)
-        return self.shared_input.project(inputs, self.projection)
+            return project(inputs, self.source.matrix())
+        return self.shared_input.project(inputs, self.source)
 
 
 @dataclass(eq=False)
@@ -94,14 +99,14 @@ class SketchSet:
     @property
     def rank(self) -> int:
         """The rank in use (``rank: auto`` resolved)."""
-        return self.states[0].projection.shape[0]
+        return self.states[0].source.rank
 
-    def projections(self) -> list[tuple[str, torch.Tensor]]:
+    def projections(self) -> list[tuple[str, Projection]]:
         """Every distinct A once, with the name its seed derives from: a projection shared
         by a group is listed (and so redrawn) once."""
-        distinct: dict[int, tuple[str, torch.Tensor]] = {}
+        distinct: dict[int, tuple[str, Projection]] = {}
         for state in self.states:
-            distinct.setdefault(id(state.projection), (state.projection_name, state.projection))
+            distinct.setdefault(id(state.source), (state.projection_name, state.source))
         return list(distinct.values())
 
     def zero_(self) -> None:
@@ -231,8 +236,9 @@ def install_sketches(
     (``projection.auto_rank``) and ``SketchSet.rank`` holds the result; ``config`` itself
     is not changed here (``LoGRAOptimizer`` writes the resolved rank back). With
     ``config.share_projection_by_input`` the members of each ``projection_groups`` group
-    hold one A tensor, seeded from the group's first member's canonical name (so that
-    member's A is the one it would draw alone).
+    hold one A, seeded from the group's first member's canonical name (so that member's A
+    is the one it would draw alone). With ``config.regenerate_projections`` no A is kept:
+    each use draws it again from its seed.
     """
     targets = find_targets(model, config.target_modules)
     rank = resolve_rank(config.rank, [module.in_features for _, module in targets])
@@ -240,12 +246,13 @@ def install_sketches(
     first_weight = targets[0][1].weight
     device = torch.device(device) if device is not None else _local_device(first_weight)
     groups = projection_groups(targets) if config.share_projection_by_input else [[i] for i in range(len(targets))]
-    drawn: dict[int, tuple[torch.Tensor, str, SharedProjectedInput | None]] = {}
+    drawn: dict[int, tuple[Projection, str, SharedProjectedInput | None]] = {}
     for members in groups:
         name, module = targets[members[0]]
         dtype = projection_storage_dtype(rank, config.distribution, compute_dtype or module.weight.dtype)
         seed = projection_seed(config.seed, update if config.redraw_projections else 0, name)
-        projection = make_projection(rank, module.in_features, seed, device=device, dtype=dtype, distribution=config.distribution)
+        projection = Projection.draw(rank, module.in_features, seed, device=device, dtype=dtype,
+                                     distribution=config.distribution, regenerate=config.regenerate_projections)
         shared = SharedProjectedInput(len(members)) if len(members) > 1 else None
         for index in members:
             drawn[index] = (projection, name, shared)
@@ -258,7 +265,7 @@ def install_sketches(
         state = SketchState(
             name=name,
             module=module,
-            projection=projection,
+            source=projection,
             sketch=buffer[offset : offset + size].view(module.out_features, rank),
             second_moment=torch.zeros(module.out_features, 1, dtype=torch.float32, device=device),
             projection_name=projection_name,

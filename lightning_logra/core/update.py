@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_logra.core.config import LoGRAConfig
+from lightning_logra.core.projection import Projection
 from lightning_logra.core.sketch import SketchSet
 
 
@@ -33,7 +34,7 @@ def apply_directions(sketches: SketchSet, directions: list[torch.Tensor], rows: 
     # happen above, before any weight has changed, never halfway through the layers.
     for state, direction, (start, stop) in zip(sketches, directions, rows):
         weight = local_rows(state.weight)
-        scaled, projection = workspace.scaled_and_projection(direction, state.projection, alpha)
+        scaled, projection = workspace.scaled_and_projection(direction, state.source, alpha)
         for row in range(0, stop - start, config.update_chunk_rows):
             chunk = slice(row, min(row + config.update_chunk_rows, stop - start))
             weight[chunk].addmm_(scaled[chunk], projection, alpha=-1.0)  # in place: no product tensor
@@ -46,6 +47,7 @@ class _UpdateWorkspace:
     scaled: torch.Tensor  # rows x rank, compute dtype
     rounded: torch.Tensor  # rows x rank, the update factor dtype (rounding happens on copy)
     projection: torch.Tensor  # rank x width, compute dtype
+    bits: torch.Tensor | None  # uint8 on the CPU, rank x width: regenerated projections are drawn through it
 
     @classmethod
     def allocate(cls, sketches: SketchSet, rows: list[tuple[int, int]], config: LoGRAConfig) -> _UpdateWorkspace:
@@ -56,23 +58,28 @@ class _UpdateWorkspace:
         if compute not in (torch.float32, torch.float64):
             raise ValueError(f"LoGRA needs float32 master weights for its targets, found {compute}")
         most_rows = max(stop - start for start, stop in rows)
-        widest = max(state.projection.shape[1] for state in sketches)
-        rank = sketches.states[0].projection.shape[0]
+        widest = max(state.source.width for state in sketches)
+        rank = sketches.rank
         device = sketches.buffer.device
         factor = getattr(torch, config.update_factor_dtype)
         return cls(
             scaled=torch.empty(most_rows, rank, dtype=compute, device=device),
             rounded=torch.empty(most_rows, rank, dtype=factor, device=device),
             projection=torch.empty(rank, widest, dtype=compute, device=device),
+            bits=(torch.empty(rank * widest, dtype=torch.uint8)
+                  if any(state.source.stored is None for state in sketches) else None),
         )
 
-    def scaled_and_projection(self, direction: torch.Tensor, projection: torch.Tensor, alpha: float):
+    def scaled_and_projection(self, direction: torch.Tensor, source: Projection, alpha: float):
         rows = direction.shape[0]
         scaled = self.scaled[:rows].copy_(direction).mul_(alpha)
         scaled.copy_(self.rounded[:rows].copy_(scaled))  # alpha * D rounded to the factor dtype
-        if projection.dtype == self.projection.dtype:
-            return scaled, projection
-        return scaled, self.projection[:, : projection.shape[1]].copy_(projection)
+        workspace = self.projection[:, : source.width]
+        if source.stored is None:
+            return scaled, source.draw_into(workspace, self.bits)
+        if source.stored.dtype == self.projection.dtype:
+            return scaled, source.stored
+        return scaled, workspace.copy_(source.stored)
 
 
 def update_square_norm(direction: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:

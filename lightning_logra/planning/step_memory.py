@@ -247,6 +247,7 @@ def step_memory(model: nn.Module, settings: StepSettings) -> StepMemory:
         probe_tokens = settings.probe_tokens or logra.probe_rows() * min(logra.probe_max_tokens, row_tokens)
         update_workspace = _probe_bytes(shape, probe_tokens, logra.probe_mlp_chunk_tokens, settings)
         update_workspace += shape.widest_target_rows * logra_rank * FLOAT32  # one layer's update rows
+        activations += report.projection_draw_bytes  # a regenerated A, drawn where it is used
     elif settings.cpu_optimizer:
         update_workspace = max(p.numel() for p in model.parameters() if p.dim() > 0) * FLOAT32 if trainable else 0
     else:

@@ -219,7 +219,7 @@ NUMBERS = ["beta2", "epsilon", "update_ratio", "kl_budget", "kl_budget_final", "
            "mismatch_ema_weight", "mismatch_budget_floor"]
 INTEGERS = ["seed", "schedule_steps", "probe_responses", "probe_max_tokens", "probe_chunk_positions",
             "probe_mlp_chunk_tokens", "update_chunk_rows", "max_consecutive_skips"]
-BOOLEANS = ["redraw_projections", "share_projection_by_input", "follow_lr_schedule", "kl_control",
+BOOLEANS = ["redraw_projections", "share_projection_by_input", "regenerate_projections", "follow_lr_schedule", "kl_control",
             "mismatch_subtraction"]
 
 

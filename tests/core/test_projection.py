@@ -71,3 +71,13 @@ def test_bfloat16_storage_is_exact_when_sqrt_rank_is_a_power_of_two():
     assert projection_storage_dtype(128, "rademacher", torch.bfloat16) == torch.float32
     exact = make_projection(256, 512, seed=3, dtype=torch.bfloat16)
     assert torch.equal(exact.float(), make_projection(256, 512, seed=3))
+
+
+@pytest.mark.parametrize("rank", [1, 3, 4, 16, 48, 64, 100, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_the_direct_rademacher_draw_has_the_float64_routes_bits(rank, dtype):
+    # Where the entries are exact in the dtype, A is computed in it directly; it must be the
+    # float64 draw rounded to the dtype, bit for bit (non-exact bf16/fp16 ranks keep that route).
+    bits = torch.randint(0, 2, (rank, 70), generator=torch.Generator().manual_seed(9), dtype=torch.uint8)
+    reference = bits.to(torch.float64).mul_(2.0).sub_(1.0).mul_(1.0 / math.sqrt(rank)).to(dtype)
+    assert torch.equal(make_projection(rank, 70, seed=9, dtype=dtype), reference)

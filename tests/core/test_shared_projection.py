@@ -14,7 +14,7 @@ from lightning_logra import (
     make_projection,
     projection_seed,
 )
-from lightning_logra.core import optimizer as optimizer_module
+from lightning_logra.core import projection as projection_module
 from lightning_logra.core.projected_input import projection_groups
 from lightning_logra.core.sketch import find_targets
 from tests.helpers.core import count_projections_by_matrix, qwen2_train_step, tokens_2x7
@@ -162,8 +162,8 @@ def test_redraw_after_an_update_draws_each_shared_projection_once_and_keeps_it_s
     q, v = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"
     before = states[q].projection.clone()
     draws = []
-    original = optimizer_module.make_projection
-    monkeypatch.setattr(optimizer_module, "make_projection", lambda *a, **k: draws.append(a) or original(*a, **k))
+    original = projection_module.make_projection
+    monkeypatch.setattr(projection_module, "make_projection", lambda *a, **k: draws.append(a) or original(*a, **k))
     qwen2_train_step(model, optimizer, 0)
     assert len(draws) == 4  # 2 layers x (q/k/v, o), not 8
     assert states[v].projection is states[q].projection

@@ -101,6 +101,18 @@ def test_fits_smoke_run_measures_one_and_two_processes_and_searches(tmp_path):
     assert all(row["outcome"]["completion_lengths"] == [8.0, 8.0] for row in result["search"][3:])
 
 
+@pytest.mark.slow  # 25 s; the core tests hold regenerated projections to the stored ones bit for bit
+def test_projections_smoke_run_reports_state_and_times_both_modes(tmp_path):
+    run("projections", "--smoke", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "projections.json").read_text())
+    step = result["step"]
+    assert sorted(step["samples"]) == ["regenerated", "stored"] and len(step["paired_ratios"]) == 2
+    # memory_report predicts the allocated state exactly in both modes, and regenerated holds no A.
+    assert all(step["allocated_state"][mode]["total"] == step["predicted_state_bytes"][mode] for mode in step["samples"])
+    assert step["allocated_state"]["regenerated"]["projections"] == 0 < step["allocated_state"]["stored"]["projections"]
+    assert "Smoke run on a tiny model" in (tmp_path / "projections.md").read_text()
+
+
 def test_smoke_runs_refuse_to_overwrite_the_committed_results():
     completed = subprocess.run([sys.executable, "-m", "benchmarks.speed", "--smoke"], cwd=ROOT, capture_output=True,
                                text=True, timeout=120)
