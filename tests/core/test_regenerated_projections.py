@@ -76,3 +76,32 @@ def test_a_projection_drawn_into_a_buffer_equals_the_allocated_draw():
 def test_regeneration_is_refused_for_gaussian_projections():
     with pytest.raises(ValueError, match="regenerate_projections"):
         LoGRAConfig(regenerate_projections=True, distribution="gaussian")
+
+
+def test_a_run_saved_with_stored_projections_resumes_regenerated_bit_identically(tmp_path):
+    # Nothing about A is saved (it is re-derived from seeds), so the option may change on resume.
+    def make(regenerate):
+        model = tiny_qwen2().train()
+        return model, LoGRAOptimizer(model, LoGRAConfig(rank=8, regenerate_projections=regenerate))
+
+    def step(model, optimizer, index):
+        optimizer.zero_grad()
+        batch = tokens_4x10(index)
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step(logra_inputs=LoGRAStepInputs(ProbeBatch.from_token_batch(batch)))
+
+    straight, straight_optimizer = make(False)
+    for index in range(3):
+        step(straight, straight_optimizer, index)
+    first, first_optimizer = make(False)
+    step(first, first_optimizer, 0)
+    torch.save({"model": first.state_dict(), "optimizer": first_optimizer.state_dict()}, tmp_path / "state.pt")
+    resumed, resumed_optimizer = make(True)
+    saved = torch.load(tmp_path / "state.pt")
+    resumed.load_state_dict(saved["model"])
+    with pytest.warns(UserWarning, match="regenerate_projections: False -> True"):  # said, not refused
+        resumed_optimizer.load_state_dict(saved["optimizer"])
+    for index in (1, 2):
+        step(resumed, resumed_optimizer, index)
+    for (name, a), (_, b) in zip(resumed.state_dict().items(), straight.state_dict().items()):
+        assert torch.equal(a, b), name
