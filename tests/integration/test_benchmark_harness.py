@@ -132,6 +132,7 @@ RENDERED = [
     ("loading", "loading.json", []),
     ("packing", "packing.json", []),
     ("fits", "fits.json", []),
+    ("projections", "projections.json", []),
     ("beyond_math", "beyond_math.json", []),
     ("sft_tools", "sft_tools.json", []),
     ("async_rollouts", "async_rollouts.json", []),
