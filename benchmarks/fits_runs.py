@@ -49,7 +49,8 @@ def predict(case: dict, method: str):
 
 
 def measure_rank(case: dict, method: str) -> dict:
-    """One rank's measurement (module docstring); run in a fresh process."""
+    """One rank's measurement, run in a fresh process: its peak RSS over two steps above its
+    RSS before the model was built (``fits``' docstring), and the whole process's peak."""
     import torch
     import torch.distributed as dist
 
