@@ -176,10 +176,6 @@ class Projection:
             self.stored.copy_(self._draw())
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return (self.rank, self.width)
-
-    @property
     def nbytes(self) -> int:
         """Bytes held between uses: none when regenerated."""
         return 0 if self.stored is None else self.stored.nbytes
