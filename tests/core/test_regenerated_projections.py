@@ -18,8 +18,8 @@ CASES = {
 }
 
 
-def run(regenerate: bool, overrides: dict, checkpointed: bool, autocast: bool, steps: int = 3):
-    model = tiny_qwen2().train()
+def run(regenerate: bool, overrides: dict, checkpointed: bool, autocast: bool, steps: int = 3, device: str = "cpu"):
+    model = tiny_qwen2().to(device).train()
     if checkpointed:
         enable_activation_checkpointing(model)
     config = LoGRAConfig(**{"rank": 8, "update_ratio": 1e-2, "kl_budget": 1e-4, "kl_budget_final": 1e-5,
@@ -28,12 +28,12 @@ def run(regenerate: bool, overrides: dict, checkpointed: bool, autocast: bool, s
     reports = []
     for step in range(steps):
         optimizer.zero_grad()
-        batch = tokens_4x10(step)
+        batch = tokens_4x10(step).to(device)
         for rows in (batch[:2], batch[2:]):  # two micro-batches
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
                 loss = model(input_ids=rows, labels=rows).loss
             loss.backward()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             report = optimizer.step(logra_inputs=LoGRAStepInputs(ProbeBatch.from_token_batch(batch)))
         reports.append((report.alpha, report.predicted_kl, report.update_norm, report.measured_kl))
     return model, optimizer, reports
@@ -52,6 +52,16 @@ def test_regenerated_projections_step_exactly_as_stored_ones(case):
     assert regenerated.state_bytes()["projections"] == 0 < stored.state_bytes()["projections"]
     for state, kept in zip(regenerated.sketches, stored.sketches):
         assert torch.equal(state.projection, kept.projection)
+
+
+@pytest.mark.gpu
+def test_regenerated_projections_step_exactly_as_stored_ones_on_cuda():
+    # Drawn on the CPU, copied to the device at each use (the update through its CPU bits buffer).
+    stored_model, _, stored_reports = run(False, {"rank": 16}, True, True, device="cuda")
+    model, _, reports = run(True, {"rank": 16}, True, True, device="cuda")
+    assert reports == stored_reports
+    for (name, a), (_, b) in zip(model.state_dict().items(), stored_model.state_dict().items()):
+        assert torch.equal(a, b), name
 
 
 def test_memory_report_counts_no_projection_and_one_draw_when_regenerated():
