@@ -16,11 +16,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from lightning_logra.core.config import DEFAULT_TARGET_MODULES
+
 from .harness import ROOT, build_mode, micro_batching, random_token_rows, replay_rollouts, status_kib
 from .model_shapes import SMOKE
 
 ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def build_model(shape: dict, *, meta: bool = False):
@@ -196,7 +197,7 @@ def measure_trl(case: dict, method: str) -> dict:
             stamps.append(time.perf_counter())
 
     rank = case["logra_rank"]  # our LoRA's rank in the same case (256; 16 on the smoke run's tiny model)
-    peft_config = (LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    peft_config = (LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(DEFAULT_TARGET_MODULES), task_type="CAUSAL_LM")
                    if method == "trl_lora" else None)
     with tempfile.TemporaryDirectory() as output:
         config = GRPOConfig(

@@ -53,19 +53,27 @@ def make_projection(
 
     Drawn on the CPU so that the same seed gives the same matrix on every device.
     """
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(seed)
     if distribution == "rademacher":
-        bits = torch.randint(0, 2, (rank, width), generator=generator, dtype=torch.uint8)
+        bits = _random_bits(seed, torch.empty(rank, width, dtype=torch.uint8))
         if projection_is_exact(rank, distribution, dtype):
             return _signs(bits, torch.empty(rank, width, dtype=dtype)).to(device)
         signs = bits.to(torch.float64).mul_(2.0).sub_(1.0)
         matrix = signs.mul_(1.0 / math.sqrt(rank))
     elif distribution == "gaussian":
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(seed)
         matrix = torch.randn(rank, width, generator=generator, dtype=torch.float64).div_(math.sqrt(rank))
     else:
         raise ValueError(f"distribution must be 'rademacher' or 'gaussian', got {distribution!r}")
     return matrix.to(device=device, dtype=dtype)
+
+
+def _random_bits(seed: int, out: torch.Tensor) -> torch.Tensor:
+    """0/1 into the uint8 ``out`` from a CPU generator seeded with ``seed``: the one draw that
+    every Rademacher A comes from, allocated or into a buffer, so both give the same bits."""
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed)
+    return torch.randint(0, 2, out.shape, generator=generator, out=out)
 
 
 def _signs(bits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -164,11 +172,7 @@ class Projection:
         an update, where nothing may run out of memory once the first weight has changed."""
         if self.distribution != "rademacher" or not projection_is_exact(self.rank, self.distribution, out.dtype):
             raise ValueError(f"draw_into needs exact Rademacher entries in {out.dtype}")
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(self.seed)
-        drawn = bits[: self.rank * self.width].view(self.rank, self.width)
-        torch.randint(0, 2, drawn.shape, generator=generator, out=drawn)
-        return _signs(drawn, out)
+        return _signs(_random_bits(self.seed, bits[: self.rank * self.width].view(self.rank, self.width)), out)
 
     def redraw(self, seed: int) -> None:
         self.seed = seed
