@@ -24,6 +24,7 @@ the MLflow timestamps of steps 2 to 4 (the first step warms up). Run by hand::
     python -m benchmarks.fit_memory --worlds 1 2 --references none --allocators mmap64k mmap1m
     python -m benchmarks.fit_memory --step-time --allocators library glibc mmap64k \
         --render benchmarks/results/fit_memory.json                # adds to it
+    python -m benchmarks.fit_memory --accounts --references none    # what each rank holds, per phase
     python -m benchmarks.fit_memory --smoke --out /tmp/fm
 """
 
@@ -54,6 +55,7 @@ TARGETS = {2: 0.8, 4: 0.6}
 # backward, the LoGRA update (the strategy's runtime.step: probe and apply), after the step
 # (logging, teardown).
 MARKS_VARIABLE = "FIT_MEMORY_PHASES"
+ACCOUNTS_VARIABLE = "FIT_MEMORY_ACCOUNTS"  # fit_phases' allocator accounts (see there)
 PHASES = ("start-up", "loading", "generation", "scoring and reference", "forward and backward", "LoGRA update",
           "after the step")
 # Allocator settings a run can use, as the environment it starts with. "library" is whatever
@@ -67,8 +69,16 @@ ALLOCATORS = {
     "mmap1m": {**TUNING_OFF, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "1048576"},
     "mmap2m": {**TUNING_OFF, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "2097152"},
     "mmap4m": {**TUNING_OFF, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "4194304"},
+    # The 4 MiB tuning with glibc's small-block caches off (allocator.py): the per-thread
+    # cache, the fast bins, both (the library's tuning since issue 43's accounts).
+    "mmap4m_tcache0": {**TUNING_OFF, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "4194304",
+                       "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"},
+    "mmap4m_mxfast0": {**TUNING_OFF, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "4194304",
+                       "GLIBC_TUNABLES": "glibc.malloc.mxfast=0"},
+    "mmap4m_nocache": {**TUNING_OFF, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "4194304",
+                       "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0"},
 }
-ALLOCATOR_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "LIGHTNING_LOGRA_MALLOC_TUNING")
+ALLOCATOR_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "LIGHTNING_LOGRA_MALLOC_TUNING", "GLIBC_TUNABLES")
 
 
 def allocator_environment(environment: dict, allocator: str) -> dict:
@@ -153,8 +163,9 @@ def rank_processes(root) -> list:
     return found
 
 
-def measure(folder: Path, world: int, reference: str, allocator: str = "library") -> dict:
-    """One ``logra fit`` on ``world`` processes; each rank's peak RSS and the timeline."""
+def measure(folder: Path, world: int, reference: str, allocator: str = "library", accounts: bool = False) -> dict:
+    """One ``logra fit`` on ``world`` processes; each rank's peak RSS and the timeline, and
+    with ``accounts`` each rank's split of its memory per phase (``phase_accounts``)."""
     import psutil
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -162,6 +173,8 @@ def measure(folder: Path, world: int, reference: str, allocator: str = "library"
         (work / "config.yaml").write_text(config_text(folder, work, reference))
         environment = allocator_environment({**os.environ, "OMP_NUM_THREADS": "1"}, allocator)
         environment[MARKS_VARIABLE] = str(work / "phases.txt")
+        if accounts:
+            environment[ACCOUNTS_VARIABLE] = str(work / "accounts")
         started, started_wall = time.perf_counter(), time.time()
         process = subprocess.Popen([sys.executable, "-m", "lightning_logra.cli", "fit",
                                     "-c", str(work / "config.yaml"), f"--trainer.devices={world}"],
@@ -186,6 +199,7 @@ def measure(folder: Path, world: int, reference: str, allocator: str = "library"
         done.set()
         sampler.join()
         marks = read_marks(work / "phases.txt") if (work / "phases.txt").exists() else {}
+        split = phase_accounts(work / "accounts", world, marks) if accounts else None
     if process.returncode != 0:
         raise SystemExit(f"logra fit on {world} processes failed (exit {process.returncode}):\n{output[-3000:]}")
     if len(peaks) != world:
@@ -196,7 +210,7 @@ def measure(folder: Path, world: int, reference: str, allocator: str = "library"
             "rank_peak_gib": [peaks[pid] / GIB for pid in order],
             # samples kept to 0.1 MiB: a smaller JSON
             "timeline": [(t, order.index(pid), round(rss / GIB, 4)) for t, pid, rss in timeline],
-            "phase_peak_gib": phase_peaks(ranked, marks)}
+            "phase_peak_gib": phase_peaks(ranked, marks), **({"phase_accounts": split} if accounts else {})}
 
 
 def read_marks(path: Path) -> dict[int, list[tuple[float, str]]]:
@@ -228,6 +242,31 @@ def phase_peaks(timeline: list[tuple[float, int, float]], marks: dict[int, list[
         current = peaks[phase][rank]
         peaks[phase][rank] = rss if current is None else max(current, rss)
     return peaks
+
+
+def phase_accounts(prefix: Path, world: int, marks: dict[int, list[tuple[float, str]]]) -> dict[str, list]:
+    """Per phase, each rank's memory split at its peak-RSS sample in that phase (GiB: RSS, in
+    use in glibc's arenas, kept free in them, mmapped blocks, and the rest: Python's own
+    arenas, code and libraries) and the live CPU tensors at the phase's end (the census)."""
+    split = {phase: [None] * world for phase in PHASES}
+    for rank in range(world):
+        path = Path(f"{prefix}.{rank}")
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            moment, kind, *fields = line.split(" ")
+            if kind == "sample":
+                rss, in_use, free, mapped = (int(f) / GIB for f in fields)
+                phase = phase_at(marks.get(rank, []), float(moment))
+                entry = split[phase][rank] or {"rss": 0.0}
+                if rss >= entry["rss"]:
+                    entry = {**entry, "rss": rss, "arena_in_use": in_use, "arena_free": free, "mmapped": mapped,
+                             "rest": rss - in_use - free - mapped}
+                split[phase][rank] = entry
+            else:
+                phase = " ".join(fields[1:])  # the phase the census ended
+                split[phase][rank] = {**(split[phase][rank] or {"rss": 0.0}), "live_tensors": int(fields[0]) / GIB}
+    return split
 
 
 def step_seconds(allocator: str, steps: int) -> float:
@@ -288,7 +327,10 @@ ALLOCATOR_LABELS = {"library": "the library's tuning (default)", "glibc": "glibc
                     "trim": "2 arenas, malloc_trim between phases",
                     "mmap4m_trim": "2 arenas, mmap >= 4 MiB, malloc_trim between phases",
                     "arena2": "2 arenas", "mmap64k": "2 arenas, mmap >= 64 KiB", "mmap1m": "2 arenas, mmap >= 1 MiB",
-                    "mmap2m": "2 arenas, mmap >= 2 MiB", "mmap4m": "2 arenas, mmap >= 4 MiB"}
+                    "mmap2m": "2 arenas, mmap >= 2 MiB", "mmap4m": "2 arenas, mmap >= 4 MiB",
+                    "mmap4m_tcache0": "2 arenas, mmap >= 4 MiB, no tcache",
+                    "mmap4m_mxfast0": "2 arenas, mmap >= 4 MiB, no fast bins",
+                    "mmap4m_nocache": "2 arenas, mmap >= 4 MiB, no tcache or fast bins"}
 
 
 def allocator_label(name: str) -> str:
@@ -326,6 +368,25 @@ def render(result: dict) -> str:
             cells = [max((p for p in run["phase_peak_gib"][phase] if p is not None), default=None) for phase in PHASES]
             lines.append(f"| {run['world']} | {run['reference']} | {allocator_label(run['allocator'])} | "
                          + " | ".join("" if c is None else f"{c:.2f}" for c in cells) + " |")
+    accounted = [run for run in result["runs"] if run.get("phase_accounts")]
+    if accounted:
+        lines += ["", "What the largest rank holds, per phase (`FIT_MEMORY_ACCOUNTS`: its RSS and glibc's counters sampled "
+                      "every 0.1 s, split at the phase's peak RSS; live tensors counted at the phase's end), GiB. glibc's "
+                      "bytes in use are in its arenas (blocks under the mmap threshold) or mmapped; 'kept free' is "
+                      "freed memory glibc holds in its arenas; the rest is Python's own arenas, code and libraries.", "",
+                  "| processes | KL reference | allocator | code | phase | RSS | live tensors | in use: arenas | in use: "
+                  "mmapped | kept free | rest |", "|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+        for run in accounted:
+            largest = max(range(run["world"]), key=lambda rank: run["rank_peak_gib"][rank])
+            for phase in PHASES[1:]:  # the sampler starts when loading does
+                entry = run["phase_accounts"][phase][largest]
+                if entry is None or "arena_in_use" not in entry:
+                    continue
+                live = "" if "live_tensors" not in entry else f"{entry['live_tensors']:.2f}"
+                lines.append(f"| {run['world']} | {run['reference']} | {allocator_label(run['allocator'])} | "
+                             f"{str(run['code'].get('git_commit'))[:7]} | {phase} | {entry['rss']:.2f} | {live} | "
+                             f"{entry['arena_in_use']:.2f} | {entry['mmapped']:.2f} | {entry['arena_free']:.2f} | "
+                             f"{entry['rest']:.2f} |")
     for timing in result.get("step_time", []):
         medians = {name: statistics.median(times) for name, times in timing["seconds"].items()}
         glibc = medians.get("glibc")
@@ -392,6 +453,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--add-baseline", action="store_true", help="with --render: measure the process with its "
                                                                        "imports (for the predictions) and add it")
+    parser.add_argument("--accounts", action="store_true", help="split each rank's memory per phase (live tensors, "
+                                                                    "glibc's arenas and mmapped blocks)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model: every code path, measuring nothing")
     args = parser.parse_args()
     if args.render:
@@ -423,7 +486,7 @@ def main() -> None:
         for reference in args.references:
             for world in sorted(set(args.worlds) | {1}):
                 for allocator in args.allocators:
-                    runs.append({**measure(folder, world, reference, allocator), "code": code, "command": command})
+                    runs.append({**measure(folder, world, reference, allocator, args.accounts), "code": code, "command": command})
                     print(f"{world} processes, reference {reference}, {allocator}: "
                           f"rank peaks {', '.join(f'{p:.2f}' for p in runs[-1]['rank_peak_gib'])} GiB", flush=True)
     if result is None:

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 import lightning_logra  # noqa: F401  (registers the "logra_fsdp" strategy name)
 from lightning_logra.callbacks import PreemptionCheckpoint
-from lightning_logra.allocator import tune_glibc_malloc
+from lightning_logra.allocator import restart_with_tuned_malloc, tune_glibc_malloc
 from lightning_logra.notices import quiet_lightning_console, quiet_lightning_pytree_notice
 from lightning_logra.strategies.trainer import claim_checkpoint_folders
 
@@ -211,6 +211,8 @@ def main(args: list[str] | None = None) -> None:
     if given[:1] == ["export"]:
         export(given[1:])
         return
+    if args is None:  # a command, not a call from Python: its process is ours to restart
+        restart_with_tuned_malloc()  # glibc's small-block cache off from the start (allocator.py)
     # The config dataclasses document each field in a docstring under it: --help shows them,
     # e.g. logra fit --trainer.strategy.help=LoGRAFSDPStrategy --trainer.strategy.logra.help
     set_parsing_settings(docstring_parse_attribute_docstrings=True)

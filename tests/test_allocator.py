@@ -1,6 +1,7 @@
 """The allocator tuning of lightning_logra.allocator, in fresh processes (it changes the
 process's malloc and environment): applied once where glibc is the C library, never over
-the user's own setting, and off on request."""
+the user's own setting, and off on request; a command started with glibc's small-block
+cache on restarts itself once with it off."""
 
 import os
 import platform
@@ -11,28 +12,50 @@ import pytest
 
 CALL = ("import json, os; from lightning_logra.allocator import tune_glibc_malloc; first = tune_glibc_malloc(); "
         "print(json.dumps([first, tune_glibc_malloc(), os.environ.get('MALLOC_MMAP_THRESHOLD_'), "
-        "os.environ.get('MALLOC_ARENA_MAX')]))")
+        "os.environ.get('MALLOC_ARENA_MAX'), os.environ.get('GLIBC_TUNABLES')]))")
+RESTART = ("import os; print('started with', os.environ.get('GLIBC_TUNABLES'), flush=True); "
+           "from lightning_logra.allocator import restart_with_tuned_malloc; restart_with_tuned_malloc(); "
+           "print('running with', os.environ.get('GLIBC_TUNABLES'))")
+NO_CACHES = "glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0"
+ONLY_GLIBC = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the tuning applies where glibc is the C library")
+
+
+def run(code: str, **environment) -> str:
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "LIGHTNING_LOGRA_MALLOC_TUNING", "GLIBC_TUNABLES")}
+    return subprocess.run([sys.executable, "-c", code], env={**clean, **environment}, capture_output=True, text=True,
+                          check=True).stdout
 
 
 def call(**environment) -> list:
     import json
 
-    clean = {k: v for k, v in os.environ.items()
-             if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "LIGHTNING_LOGRA_MALLOC_TUNING")}
-    run = subprocess.run([sys.executable, "-c", CALL], env={**clean, **environment}, capture_output=True, text=True,
-                         check=True)
-    return json.loads(run.stdout)
+    return json.loads(run(CALL, **environment))
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the tuning applies where glibc is the C library")
+@ONLY_GLIBC
 def test_the_tuning_is_applied_once_and_inherited_by_later_processes():
-    first, second, threshold, arenas = call()
-    assert first == {"MALLOC_MMAP_THRESHOLD_": 4194304, "MALLOC_ARENA_MAX": 2} and second == {}
-    assert (threshold, arenas) == ("4194304", "2")  # what ranks started later read at their start
+    first, second, threshold, arenas, tunables = call()
+    assert first == {"MALLOC_MMAP_THRESHOLD_": 4194304, "MALLOC_ARENA_MAX": 2, "GLIBC_TUNABLES": NO_CACHES}
+    assert second == {}
+    assert (threshold, arenas, tunables) == ("4194304", "2", NO_CACHES)  # what ranks started later read at their start
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the tuning applies where glibc is the C library")
+@ONLY_GLIBC
 def test_the_users_own_setting_wins_and_the_tuning_can_be_turned_off():
-    first, _, threshold, arenas = call(MALLOC_ARENA_MAX="8")
-    assert first == {"MALLOC_MMAP_THRESHOLD_": 4194304} and (threshold, arenas) == ("4194304", "8")
-    assert call(LIGHTNING_LOGRA_MALLOC_TUNING="0") == [{}, {}, None, None]
+    first, _, threshold, arenas, tunables = call(MALLOC_ARENA_MAX="8", GLIBC_TUNABLES="glibc.malloc.tcache_count=3")
+    assert first == {"MALLOC_MMAP_THRESHOLD_": 4194304, "GLIBC_TUNABLES": "glibc.malloc.tcache_count=3:glibc.malloc.mxfast=0"}
+    assert (threshold, arenas, tunables) == ("4194304", "8", "glibc.malloc.tcache_count=3:glibc.malloc.mxfast=0")
+    assert call(LIGHTNING_LOGRA_MALLOC_TUNING="0") == [{}, {}, None, None, None]
+
+
+@ONLY_GLIBC
+def test_a_command_started_with_the_cache_on_restarts_once_with_it_off():
+    assert run(RESTART).splitlines() == ["started with None", f"started with {NO_CACHES}", f"running with {NO_CACHES}"]
+
+
+@ONLY_GLIBC
+def test_no_restart_where_the_user_set_the_cache_or_turned_the_tuning_off():
+    assert run(RESTART, GLIBC_TUNABLES="glibc.malloc.tcache_count=7").splitlines() == [
+        "started with glibc.malloc.tcache_count=7", "running with glibc.malloc.tcache_count=7"]
+    assert run(RESTART, LIGHTNING_LOGRA_MALLOC_TUNING="0").splitlines() == ["started with None", "running with None"]

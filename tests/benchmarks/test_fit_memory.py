@@ -1,7 +1,8 @@
 """benchmarks.fit_memory's attribution of RSS samples to the phases its marks delimit, and
 its allocator environments (the shell's own allocator settings never leak into a run)."""
 
-from benchmarks.fit_memory import ALLOCATORS, PHASES, allocator_environment, is_rank_command, phase_at, phase_peaks
+from benchmarks.fit_memory import (ALLOCATORS, GIB, PHASES, allocator_environment, is_rank_command, phase_accounts,
+                                   phase_at, phase_peaks)
 
 
 def test_a_sample_belongs_to_the_latest_phase_marked_before_it():
@@ -32,3 +33,20 @@ def test_ranks_are_the_processes_running_the_cli_not_helpers_that_name_it():
     forkserver = ["python", "-B", "-c", "from multiprocessing.forkserver import main; main(3, 4, ['__main__'], "
                   "**{'sys_path': [], 'init_main_from_name': 'lightning_logra.cli'})"]
     assert not is_rank_command(forkserver)
+
+
+def test_phase_accounts_split_each_phase_at_its_peak_sample_and_take_the_census_that_ends_it(tmp_path):
+    marks = {0: [(10.0, "loading"), (20.0, "generation")]}
+    (tmp_path / "accounts.0").write_text("\n".join([
+        f"11.0 sample {2 * GIB} {GIB // 2} {GIB // 4} {GIB // 8}",
+        f"12.0 sample {3 * GIB} {GIB} {GIB // 2} {GIB // 4}",  # loading's peak
+        f"13.0 sample {GIB} 0 0 0",
+        f"19.9 census {GIB // 2} loading",
+        f"21.0 sample {GIB} 0 {GIB} 0",
+        f"22.0 census {GIB // 4} generation"]))
+    split = phase_accounts(tmp_path / "accounts", 1, marks)
+    assert split["loading"] == [{"rss": 3.0, "arena_in_use": 1.0, "arena_free": 0.5, "mmapped": 0.25, "rest": 1.25,
+                                 "live_tensors": 0.5}]
+    assert split["generation"] == [{"rss": 1.0, "arena_in_use": 0.0, "arena_free": 1.0, "mmapped": 0.0, "rest": 0.0,
+                                    "live_tensors": 0.25}]
+    assert split["forward and backward"] == [None]
