@@ -86,6 +86,7 @@ def allocator_environment(environment: dict, allocator: str) -> dict:
     clean = {k: v for k, v in environment.items() if k not in ALLOCATOR_VARIABLES}
     return {**clean, **ALLOCATORS[allocator]}
 SAMPLE_S = 0.5
+MIN_RANK_SAMPLES = 10  # 5 s: every rank lives through its whole run, minutes
 
 
 def write_model(folder: Path, shape: dict) -> int:
@@ -202,6 +203,11 @@ def measure(folder: Path, world: int, reference: str, allocator: str = "library"
         split = phase_accounts(work / "accounts", world, marks) if accounts else None
     if process.returncode != 0:
         raise SystemExit(f"logra fit on {world} processes failed (exit {process.returncode}):\n{output[-3000:]}")
+    # A rank's fork (a worker or a subprocess before its exec) carries the rank's command
+    # for a moment: a rank is a process seen through MIN_RANK_SAMPLES samples.
+    seen = {pid: sum(1 for _, sampled, _ in timeline if sampled == pid) for pid in peaks}
+    peaks = {pid: peak for pid, peak in peaks.items() if seen[pid] >= MIN_RANK_SAMPLES}
+    timeline = [sample for sample in timeline if sample[1] in peaks]
     if len(peaks) != world:
         raise SystemExit(f"found {len(peaks)} rank processes for {world} ranks")
     order = sorted(peaks, key=lambda pid: (pid != process.pid, pid))  # the launcher (rank 0) first
@@ -476,27 +482,26 @@ def main() -> None:
     if result is not None and result["smoke"] != args.smoke:
         parser.error(f"{path} holds {'smoke' if result['smoke'] else 'measured'} runs; --out elsewhere")
     command, code = command_line("fit_memory"), code_version()
-    runs = []
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "model"
         parameters = write_model(folder, SMOKE_MODEL if args.smoke else FIT_MODEL)
         write_model(Path(scratch) / "tiny", SMOKE_MODEL)
         baseline = measure(Path(scratch) / "tiny", 1, "none")["rank_peak_gib"][0]
         print(f"the process with its imports (a tiny model, 1 process): {baseline:.2f} GiB", flush=True)
+        if result is None:
+            result = {"smoke": args.smoke, "command": command, "machine": machine_info(), "code": code,
+                      "shape": SMOKE_MODEL if args.smoke else FIT_MODEL, "parameters": parameters, "runs": []}
+        else:
+            result.setdefault("commands", []).append(command)
+        result["baseline_gib"] = baseline
         for reference in args.references:
             for world in sorted(set(args.worlds) | {1}):
                 for allocator in args.allocators:
-                    runs.append({**measure(folder, world, reference, allocator, args.accounts), "code": code, "command": command})
+                    run = measure(folder, world, reference, allocator, args.accounts)
+                    result["runs"].append({**run, "code": code, "command": command})
+                    save_json(path, result)  # each run kept as it ends: a later failure loses none
                     print(f"{world} processes, reference {reference}, {allocator}: "
-                          f"rank peaks {', '.join(f'{p:.2f}' for p in runs[-1]['rank_peak_gib'])} GiB", flush=True)
-    if result is None:
-        result = {"smoke": args.smoke, "command": command, "machine": machine_info(), "code": code,
-                  "shape": SMOKE_MODEL if args.smoke else FIT_MODEL, "parameters": parameters, "runs": []}
-    else:
-        result.setdefault("commands", []).append(command)
-    result["baseline_gib"] = baseline
-    result["runs"] += runs
-    save_json(path, result)
+                          f"rank peaks {', '.join(f'{p:.2f}' for p in run['rank_peak_gib'])} GiB", flush=True)
     write_outputs(args.out / "fit_memory", result, render, plot)
 
 if __name__ == "__main__":
