@@ -5,8 +5,9 @@ each phase of a ``logra fit``, a line ``<wall time> <rank> <phase>`` to the file
 
 With ``FIT_MEMORY_ACCOUNTS`` set, each rank also splits its memory: a thread samples its RSS
 and glibc's counters (``mallinfo2``: bytes in use in its arenas, kept free in them, and in
-mmapped blocks) every ``ACCOUNT_SAMPLE_S``, and each mark adds a census of the live CPU
-tensors (storages counted once), one line per sample or census in ``<that path>.<rank>``.
+mmapped blocks) every ``ACCOUNT_SAMPLE_S``, and the end of each phase adds a census of the
+live CPU tensors (storages counted once), one line per sample or census in
+``<that path>.<rank>``.
 """
 
 from __future__ import annotations
@@ -37,11 +38,17 @@ class MallInfo2(ctypes.Structure):
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
+@functools.cache
+def _mallinfo2():
+    """glibc's ``mallinfo2``, looked up once (the sampler calls it every 0.1 s)."""
+    function = ctypes.CDLL(None).mallinfo2
+    function.restype = MallInfo2
+    return function
+
+
 def allocator_sample() -> str:
     """``rss arena_in_use arena_free mmapped`` in bytes, now."""
-    libc = ctypes.CDLL(None)
-    libc.mallinfo2.restype = MallInfo2
-    info = libc.mallinfo2()
+    info = _mallinfo2()()
     with open("/proc/self/statm") as statm:
         rss = int(statm.read().split()[1]) * PAGE
     return f"{rss} {info.uordblks} {info.fordblks} {info.hblkhd}"

@@ -38,7 +38,8 @@ OPT_OUT = "LIGHTNING_LOGRA_MALLOC_TUNING"
 SETTINGS = {"MALLOC_MMAP_THRESHOLD_": (-3, 4 * 2**20), "MALLOC_ARENA_MAX": (-8, 2)}
 M_MXFAST = 1  # mallopt's fast-bin limit; 0 turns the fast bins off
 TUNABLES = "GLIBC_TUNABLES"
-NO_SMALL_BLOCK_CACHES = ("glibc.malloc.tcache_count=0", "glibc.malloc.mxfast=0")
+TCACHE, FAST_BINS = "glibc.malloc.tcache_count", "glibc.malloc.mxfast"
+SMALL_BLOCK_CACHES_OFF = {TCACHE: "0", FAST_BINS: "0"}  # GLIBC_TUNABLES entries, name -> value
 # What this process started with: glibc read it then, and never reads it again.
 _STARTED_WITH = os.environ.get(TUNABLES, "")
 
@@ -65,11 +66,12 @@ def tune_glibc_malloc() -> dict[str, int | str]:
             os.environ[variable] = str(value)
             applied[variable] = value
     tunables = os.environ.get(TUNABLES, "")
-    missing = [entry for entry in NO_SMALL_BLOCK_CACHES if not _tunable_set(tunables, entry.split("=")[0])]
+    missing = {name: value for name, value in SMALL_BLOCK_CACHES_OFF.items() if not _tunable_set(tunables, name)}
     if missing:
-        if "glibc.malloc.mxfast=0" in missing:
+        if FAST_BINS in missing:
             libc.mallopt(M_MXFAST, 0)  # here and now; the cache only at the next start
-        os.environ[TUNABLES] = ":".join([tunables, *missing] if tunables else missing)
+        entries = [tunables] if tunables else []  # the user's own entries first, kept
+        os.environ[TUNABLES] = ":".join([*entries, *(f"{name}={value}" for name, value in missing.items())])
         applied[TUNABLES] = os.environ[TUNABLES]
     return applied
 
@@ -79,12 +81,9 @@ def restart_with_tuned_malloc() -> None:
     began with glibc's small-block cache on, so that it runs with the tuning's
     ``GLIBC_TUNABLES``; returns where nothing needs it. Call it first thing in a command's
     entry point, never in a process that holds anything: ``exec`` replaces the process."""
-    cache = NO_SMALL_BLOCK_CACHES[0].split("=")[0]
-    if not _applies() or _tunable_set(_STARTED_WITH, cache):
+    if not _applies() or _tunable_set(_STARTED_WITH, TCACHE):
         return
-    tune_glibc_malloc()
-    if not _tunable_set(os.environ.get(TUNABLES, ""), cache):
-        return
+    tune_glibc_malloc()  # the environment the restarted process starts with (TCACHE now in it)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, sys.orig_argv)

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from lightning_logra.allocator import OPT_OUT, SETTINGS, TUNABLES
+
 CALL = ("import json, os; from lightning_logra.allocator import tune_glibc_malloc; first = tune_glibc_malloc(); "
         "print(json.dumps([first, tune_glibc_malloc(), os.environ.get('MALLOC_MMAP_THRESHOLD_'), "
         "os.environ.get('MALLOC_ARENA_MAX'), os.environ.get('GLIBC_TUNABLES')]))")
@@ -21,8 +23,7 @@ ONLY_GLIBC = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the t
 
 
 def run(code: str, **environment) -> str:
-    clean = {k: v for k, v in os.environ.items()
-             if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "LIGHTNING_LOGRA_MALLOC_TUNING", "GLIBC_TUNABLES")}
+    clean = {k: v for k, v in os.environ.items() if k not in {*SETTINGS, OPT_OUT, TUNABLES}}
     return subprocess.run([sys.executable, "-c", code], env={**clean, **environment}, capture_output=True, text=True,
                           check=True).stdout
 
