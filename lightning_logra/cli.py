@@ -212,7 +212,10 @@ def main(args: list[str] | None = None) -> None:
         export(given[1:])
         return
     if args is None:  # a command, not a call from Python: its process is ours to restart
-        restart_with_tuned_malloc()  # glibc's small-block cache off from the start (allocator.py)
+        # glibc's small-block cache off from the start (allocator.py). `logra` has restarted
+        # already, before importing the library (lightning_logra_command); here only
+        # `python -m lightning_logra.cli`, which pays the library's import twice.
+        restart_with_tuned_malloc()
     # The config dataclasses document each field in a docstring under it: --help shows them,
     # e.g. logra fit --trainer.strategy.help=LoGRAFSDPStrategy --trainer.strategy.logra.help
     set_parsing_settings(docstring_parse_attribute_docstrings=True)

@@ -1,12 +1,13 @@
 """The allocator tuning of lightning_logra.allocator, in fresh processes (it changes the
 process's malloc and environment): applied once where glibc is the C library, never over
 the user's own setting, and off on request; a command started with glibc's small-block
-cache on restarts itself once with it off."""
+cache on restarts itself once with it off, the ``logra`` command before it imports the library."""
 
 import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,9 +23,12 @@ NO_CACHES = "glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0"
 ONLY_GLIBC = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the tuning applies where glibc is the C library")
 
 
+def untuned(**environment) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k not in {*SETTINGS, OPT_OUT, TUNABLES}}, **environment}
+
+
 def run(code: str, **environment) -> str:
-    clean = {k: v for k, v in os.environ.items() if k not in {*SETTINGS, OPT_OUT, TUNABLES}}
-    return subprocess.run([sys.executable, "-c", code], env={**clean, **environment}, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", code], env=untuned(**environment), capture_output=True, text=True,
                           check=True).stdout
 
 
@@ -60,3 +64,15 @@ def test_no_restart_where_the_user_set_the_cache_or_turned_the_tuning_off():
     assert run(RESTART, GLIBC_TUNABLES="glibc.malloc.tcache_count=7").splitlines() == [
         "started with glibc.malloc.tcache_count=7", "running with glibc.malloc.tcache_count=7"]
     assert run(RESTART, LIGHTNING_LOGRA_MALLOC_TUNING="0").splitlines() == ["started with None", "running with None"]
+
+
+@ONLY_GLIBC
+def test_the_logra_command_restarts_before_it_imports_the_library():
+    # Python's import-time report names each module imported, per process: the restart
+    # shows as the entry module imported twice; the library (about 5 s) must be imported once.
+    command = [str(Path(sys.executable).parent / "logra"), "--help"]
+    report = subprocess.run(command, env=untuned(PYTHONPROFILEIMPORTTIME="1"), capture_output=True, text=True,
+                            check=True).stderr
+    imported = [line.rsplit("|", 1)[1].strip() for line in report.splitlines() if line.startswith("import time:")]
+    assert imported.count("lightning_logra_command") == 2
+    assert imported.count("lightning_logra") == 1
