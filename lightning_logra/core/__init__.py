@@ -6,7 +6,8 @@ S = dY^T (X A^T)), ``sharded_accumulation`` and ``layout`` (how rows are split a
 ``row_adam``, ``kl`` (Fisher form, budget schedule, mismatch EMA, controller), ``probe`` and
 ``probe_modules`` (the forward-mode KL prediction), ``update`` and ``lowrank`` (W -= alpha D A),
 ``optimizer`` (the whole update in one call), ``report`` (what a step did), ``memory`` (what
-LoGRA holds per rank) and ``reliability`` (guards against silent failure). What a whole RL
+LoGRA holds per rank), ``reliability`` (guards against silent failure) and ``reshard``
+(FSDP2's gathered weights freed after a forward that no backward follows). What a whole RL
 step holds per rank, for every method, is ``lightning_logra.planning``'s.
 """
 

@@ -24,6 +24,7 @@ from lightning_logra.core.probe_batch import ProbeBatch
 from lightning_logra.core.probe_modules import chunks, eval_mode, probe_mode
 from lightning_logra.core.projected_input import SharedProjectedInput, project
 from lightning_logra.core.projection import Projection
+from lightning_logra.core.reshard import reshard
 
 
 class EmptyProbeError(FloatingPointError):
@@ -103,6 +104,7 @@ def probe_predicted_kl(
         finally:
             for handle in handles:
                 handle.remove()
+            reshard(model)
     if process_group is not None:
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=process_group)
     if totals[1] == 0:
@@ -126,6 +128,7 @@ def probe_logits(model: nn.Module, batch: ProbeBatch, *, max_tokens: int | None 
             scored_logits.append((output.logits if hasattr(output, "logits") else output)[scored].float())
             if weights is not None:
                 scored_weights.append(weights[scored])
+    reshard(model)
     return torch.cat(scored_logits), torch.cat(scored_weights) if scored_weights else None
 
 

@@ -21,6 +21,7 @@ from transformers import AutoConfig
 from torchmetrics import MeanMetric
 
 from lightning_logra.core.reliability import memory_phase
+from lightning_logra.core.reshard import reshard
 from lightning_logra.core.validation import deprecated_attributes
 from lightning_logra.data import PromptDataModule
 from lightning_logra.hooks import ReportsLoGRASteps
@@ -248,8 +249,7 @@ class GRPOModule(L.LightningModule):
         if self.batching.micro_batch_tokens is None:
             return
         check_packing(self.policy, any_rank=lambda flag: any_rank(flag, self.device))
-        if hasattr(self.policy, "reshard"):  # FSDP2: no backward follows this forward
-            self.policy.reshard()
+        reshard(self.policy)  # no backward follows this forward (core/reshard.py)
 
     # Training ---------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
@@ -280,10 +280,7 @@ class GRPOModule(L.LightningModule):
             with torch.no_grad(), memory_phase("backward", BACKWARD_HINT):
                 rollout_batch.reference_logprobs = batch_logprobs(self.reference, input_ids, attention_mask,
                                                                   self._micro_batching)
-            if hasattr(self.reference, "reshard"):
-                # FSDP2 keeps a root module's gathered weights after a forward that no backward
-                # follows; the reference's embeddings and head would stay whole all step.
-                self.reference.reshard()
+            reshard(self.reference)  # its embeddings and head would stay whole all step (core/reshard.py)
             phases.lap("reference")
         if self.batching.num_iterations * self.batching.mini_batches > 1:
             # The PPO ratio's denominator: the weights that sampled, before the first update.
@@ -348,8 +345,7 @@ class GRPOModule(L.LightningModule):
         phases.lap("optimizer_step")  # under logra_fsdp the whole LoGRA update, split further in perf/logra_*
         if draw is not None:
             passes.add_step_kl(*k3_sums(self.policy, batch, draw, self._micro_batching))
-            if hasattr(self.policy, "reshard"):  # as for the reference: no backward follows this forward
-                self.policy.reshard()
+            reshard(self.policy)  # as for the reference: no backward follows this forward
             phases.lap("step_kl")
         return update.trainer_logprobs
 

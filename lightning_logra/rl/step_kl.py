@@ -24,6 +24,7 @@ from torch import nn
 
 from lightning_logra.core.probe_batch import stratified_rows
 from lightning_logra.core.reliability import memory_phase
+from lightning_logra.core.reshard import reshard
 from lightning_logra.rl.batch import BACKWARD_HINT, MicroBatching, RolloutBatch
 from lightning_logra.rl.collectives import max_over_ranks
 from lightning_logra.rl.logprobs import logprobs_of, sampled_token_logprobs
@@ -105,8 +106,7 @@ def completion_kl(policy: nn.Module, reference: nn.Module, rollouts: Rollouts, s
         draw = draw_tokens(policy, samples, slice(0, mask.shape[0]), settings, count=0, generator=generator)
         sums = k3_sums(reference, samples, draw, settings)
     for model in (policy, reference):
-        if hasattr(model, "reshard"):
-            model.reshard()
+        reshard(model)
     return sums
 
 

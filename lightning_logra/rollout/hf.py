@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lightning_logra.core.lowrank import LowRankUpdate
+from lightning_logra.core.reshard import reshard
 from lightning_logra.rollout.base import Continuation, Rollouts, check_request, pack_rollouts
 
 
@@ -127,6 +128,7 @@ class HFRolloutEngine:
             )
         finally:
             self.model.train(was_training)
+            reshard(self.model)  # FSDP2 would keep the root's gathered weights until the next backward
         completions = output.sequences[:, input_ids.shape[1] :]
         token_logprobs = torch.stack(
             [
