@@ -16,12 +16,16 @@ from .paired_stats import bootstrap_interval, crossed_bootstrap_interval, seed_m
 COLOURS = {"dense": "tab:blue", "dense_paper": "tab:purple", "lora": "tab:orange", "logra": "tab:green"}
 
 
+def method_seeds(result: dict, task: str, method: str) -> list[int]:
+    """The seeds with an untrained validation and every sweep run of ``method``: its frontier
+    is drawn on these, and a pair compared on the seeds both methods have."""
+    return [s for s in sorted(untrained_of(result, task))
+            if all(any(r["seed"] == s for r in runs_of(result, task, method, v)) for v in SWEEPS[method])]
+
+
 def complete_seeds(result: dict, task: str) -> list[int]:
-    """The seeds with an untrained validation and every sweep run of every method: the
-    frontiers are compared on these (all 5 once the protocol is in)."""
-    seeds = sorted(untrained_of(result, task))
-    return [s for s in seeds if all(any(r["seed"] == s for r in runs_of(result, task, m, v))
-                                    for m in METHODS for v in SWEEPS[m])]
+    """The seeds with every sweep run of every method (all 5 once the protocol is in)."""
+    return [s for s in sorted(untrained_of(result, task)) if all(s in method_seeds(result, task, m) for m in METHODS)]
 
 
 def shared_prompts(result: dict, task: str, seeds: list[int]) -> bool:
@@ -33,33 +37,47 @@ def interval(per_seed: list[list[float]], crossed: bool) -> tuple[float, float]:
     return (crossed_bootstrap_interval if crossed else bootstrap_interval)(per_seed)
 
 
-def summarise(result: dict, task: str) -> dict:
-    seeds = complete_seeds(result, task)
+def gains_at(result: dict, task: str, method: str, level: float, seeds: list[int]) -> tuple[dict | None, list[list[float]]]:
+    """The method's frontier point at ``level`` on ``seeds`` and each seed's per-prompt gain
+    over the untrained model there (empty when the point is not reached)."""
+    point = frontier_point(result, task, method, level, seeds) if seeds else None
+    if point is None:
+        return None, []
     untrained = untrained_of(result, task)
-    crossed = len(seeds) > 1 and shared_prompts(result, task, seeds)
-    base = {s: [c / VAL_SAMPLES for c in untrained[s]["correct"]] for s in seeds}
+    return point, [[v - c / VAL_SAMPLES for v, c in zip(values, untrained[s]["correct"])]
+                   for s, values in zip(seeds, point["per_seed"])]
+
+
+def summarise(result: dict, task: str) -> dict:
+    seeds_of = {m: method_seeds(result, task, m) for m in METHODS}
+    untrained = untrained_of(result, task)
+
+    def crossed(seeds: list[int]) -> bool:
+        return len(seeds) > 1 and shared_prompts(result, task, seeds)
+
     levels = {}
-    for level in LEVELS if seeds else ():
-        points = {m: frontier_point(result, task, m, level, seeds) for m in METHODS}
+    for level in LEVELS:
         methods = {}
-        for method, point in points.items():
-            if point is None:
-                continue
-            gains = [[v - b for v, b in zip(values, base[s])] for s, values in zip(seeds, point["per_seed"])]
-            methods[method] = {"value": point["value"], "pass_at_1": point["pass_at_1"],
-                               "gain_points": 100 * seed_mean(gains),
-                               "gain_interval_points": [100 * x for x in interval(gains, crossed)]}
+        for method in METHODS:
+            point, gains = gains_at(result, task, method, level, seeds_of[method])
+            if point is not None:
+                methods[method] = {"value": point["value"], "pass_at_1": point["pass_at_1"], "seeds": seeds_of[method],
+                                   "gain_points": 100 * seed_mean(gains),
+                                   "gain_interval_points": [100 * x for x in interval(gains, crossed(seeds_of[method]))]}
         pairs = {}
         for first, second in PAIRS:
-            if points[first] is None or points[second] is None:
+            seeds = [s for s in seeds_of[first] if s in seeds_of[second]]
+            (point_first, gains_first), (point_second, gains_second) = (gains_at(result, task, m, level, seeds)
+                                                                        for m in (first, second))
+            if point_first is None or point_second is None:
                 continue
-            differences = [[a - b for a, b in zip(x, y)] for x, y in zip(points[first]["per_seed"], points[second]["per_seed"])]
-            low, high = (100 * x for x in interval(differences, crossed))
+            differences = [[a - b for a, b in zip(x, y)] for x, y in zip(point_first["per_seed"], point_second["per_seed"])]
+            low, high = (100 * x for x in interval(differences, crossed(seeds)))
             t_low, t_high = (100 * x for x in t_interval(differences)) if len(seeds) > 1 else (None, None)
-            gain_first, gain_second = methods[first]["gain_points"], methods[second]["gain_points"]
+            gain_first, gain_second = 100 * seed_mean(gains_first), 100 * seed_mean(gains_second)
             ratio = gain_first / gain_second if gain_second > 0 else None
             pairs[f"{first}-{second}"] = {
-                "difference_points": 100 * seed_mean(differences), "bootstrap_points": [low, high],
+                "seeds": seeds, "difference_points": 100 * seed_mean(differences), "bootstrap_points": [low, high],
                 "t_points": [t_low, t_high], "gain_ratio": ratio,
                 "met": (ratio is not None and ratio >= TARGETS["gain_ratio"])
                        or (low <= 0 <= high and high - low <= TARGETS["interval_width_points"])}
@@ -68,7 +86,8 @@ def summarise(result: dict, task: str) -> dict:
     sweep = []
     for method in METHODS:
         for value in SWEEPS[method]:
-            runs = [r for r in runs_of(result, task, method, value) if r["seed"] in seeds] or runs_of(result, task, method, value)
+            runs = [r for r in runs_of(result, task, method, value) if r["seed"] in seeds_of[method]] \
+                or runs_of(result, task, method, value)
             if runs:
                 sweep.append({"method": method, "setting": runs[0]["setting"], "seeds": [r["seed"] for r in runs],
                               "final_pass_at_1": statistics.mean(r["validations"][-1]["pass_at_1"] for r in runs),
@@ -77,8 +96,10 @@ def summarise(result: dict, task: str) -> dict:
                               "median_run_s": statistics.median(r["seconds"] for r in runs)})
     timing = {r["method"]: r["step_s"] for r in result["runs"] if r["task"] == task and r["kind"] == "timing"}
     seconds = sum(r["seconds"] for r in result["runs"] if r["task"] == task) + sum(u["seconds"] for u in untrained.values())
-    return {"seeds": seeds, "crossed": crossed, "levels": levels, "sweep": sweep, "timing": timing,
-            "chosen": {m: chosen_value(result, task, m, seeds) if seeds else None for m in METHODS},
+    complete = complete_seeds(result, task)
+    return {"seeds": complete, "method_seeds": seeds_of, "crossed": crossed(complete), "levels": levels,
+            "sweep": sweep, "timing": timing,
+            "chosen": {m: chosen_value(result, task, m, seeds_of[m]) if seeds_of[m] else None for m in METHODS},
             "machine_seconds": seconds}
 
 
@@ -99,8 +120,12 @@ def render(result: dict) -> str:
         total += summary["machine_seconds"]
         untrained = ", ".join(f"seed {s} {u['pass_at_1']:.3f}" for s, u in sorted(untrained_of(result, task).items()))
         lines += [f"### {task}: {TASKS[task]['source']}", "", f"Untrained pass@1: {untrained}.", "",
-                  f"Seeds with every sweep run: {', '.join(map(str, summary['seeds'])) or 'none yet'}"
-                  + (" (they share their validation prompts: crossed bootstrap)." if summary["crossed"] else "."), "",
+                  f"Seeds with every sweep run of every method: {', '.join(map(str, summary['seeds'])) or 'none yet'}"
+                  + (" (they share their validation prompts: crossed bootstrap)." if summary["crossed"] else ".")
+                  + " Each method's frontier is on the seeds with all its runs ("
+                  + "; ".join(f"{LABELS[m]}: {', '.join(map(str, seeds)) or 'none'}"
+                              for m, seeds in summary["method_seeds"].items())
+                  + "), each pair on the seeds both have.", "",
                   "| method | setting | seeds | final pass@1 (mean) | KL from init, final (median) | step KL (median) | run s (median) |",
                   "|---|---|---|---:|---:|---:|---:|"]
         lines += [f"| {LABELS[s['method']]} | {s['setting']} | {', '.join(map(str, s['seeds']))} | "
@@ -121,8 +146,8 @@ def render(result: dict) -> str:
                 lines.append(f"| {level:g} | " + " | ".join(cells) + " |")
             lines += ["", "Paired differences at equal KL from init (points; t over seeds, bootstrap over seeds and "
                           "prompts); target: gain ratio >= 0.95, or the interval contains 0 and is at most 8 points wide:", "",
-                      "| KL from init | pair | difference | t interval | bootstrap | gain ratio | target |",
-                      "|---:|---|---:|---|---|---:|---|"]
+                      "| KL from init | pair | seeds | difference | t interval | bootstrap | gain ratio | target |",
+                      "|---:|---|---|---:|---|---|---:|---|"]
             for level, entry in summary["levels"].items():
                 for name, pair in entry["pairs"].items():
                     first, second = name.split("-")
@@ -130,9 +155,10 @@ def render(result: dict) -> str:
                     low, high = pair["bootstrap_points"]
                     ratio = "n/a" if pair["gain_ratio"] is None else f"{pair['gain_ratio']:.2f}"
                     verdict = "met" if pair["met"] else "missed"
-                    if len(summary["seeds"]) < 5:
-                        verdict += f" (on {len(summary['seeds'])} seeds; judged on 5)"
-                    lines.append(f"| {level:g} | {LABELS[first]} - {LABELS[second]} | {pair['difference_points']:+.1f} | "
+                    if len(pair["seeds"]) < 5:
+                        verdict += f" (on {len(pair['seeds'])} seeds; judged on 5)"
+                    lines.append(f"| {level:g} | {LABELS[first]} - {LABELS[second]} | {len(pair['seeds'])} | "
+                                 f"{pair['difference_points']:+.1f} | "
                                  f"[{points(t_low)}, {points(t_high)}] | [{low:+.1f}, {high:+.1f}] | {ratio} | {verdict} |")
         if summary["timing"]:
             lines += ["", "Seconds per step, each method alone (`--timing`): "
@@ -170,9 +196,9 @@ def plot(result: dict, path: Path) -> None:
     figure, axes = plt.subplots(max(rows, 1), 3, figsize=(17, 4.2 * max(rows, 1)), squeeze=False)
     for row, task in zip(axes, tasks):
         summary = summarise(result, task)
-        seeds = summary["seeds"] or sorted(untrained_of(result, task))
-        untrained = statistics.mean(untrained_of(result, task)[s]["pass_at_1"] for s in seeds)
         for method in METHODS:
+            seeds = summary["method_seeds"][method] or sorted(untrained_of(result, task))
+            untrained = statistics.mean(untrained_of(result, task)[s]["pass_at_1"] for s in seeds)
             colour = COLOURS[method]
             label = f"{LABELS[method]}, each step size"
             for value in SWEEPS[method]:  # every step size's path, mean over seeds
@@ -184,7 +210,7 @@ def plot(result: dict, path: Path) -> None:
             frontier = [(level, entry["methods"][method]) for level, entry in summary["levels"].items()
                         if method in entry["methods"]]
             if frontier:
-                row[0].errorbar([level for level, _ in frontier], [untrained + m["gain_points"] / 100 for _, m in frontier],
+                row[0].errorbar([level for level, _ in frontier], [m["pass_at_1"] for _, m in frontier],
                                 yerr=[[(m["gain_points"] - m["gain_interval_points"][0]) / 100 for _, m in frontier],
                                       [(m["gain_interval_points"][1] - m["gain_points"]) / 100 for _, m in frontier]],
                                 color=colour, marker="o", capsize=3, label=f"{LABELS[method]} frontier")
@@ -207,8 +233,9 @@ def plot(result: dict, path: Path) -> None:
                    ylabel="validation pass@1")
         if not summary["timing"]:
             row[2].set_title("no --timing part yet", fontsize=9)
+        untrained = statistics.mean(u["pass_at_1"] for u in untrained_of(result, task).values())
         for axis in row:
-            axis.axhline(untrained, color="grey", linestyle=":", linewidth=0.8)
+            axis.axhline(untrained, color="grey", linestyle=":", linewidth=0.8)  # mean over every seed
         row[0].legend(fontsize=7)
         row[1].legend(fontsize=7)
     long_runs = [r for r in result["runs"] if r["kind"] == "long"]

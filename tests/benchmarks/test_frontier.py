@@ -76,7 +76,25 @@ def test_the_report_states_the_gain_ratio_verdict_at_each_reached_level():
     pair = summary["levels"][5e-3]["pairs"]["logra-dense"]
     assert pair["difference_points"] == pytest.approx(0.0) and pair["gain_ratio"] == pytest.approx(1.0) and pair["met"]
     text = render(result)
-    assert "| 0.005 | LoGRA - dense AdamW | +0.0 |" in text and "| met |" in text
+    assert "| 0.005 | LoGRA - dense AdamW | 5 | +0.0 |" in text and "| met |" in text
+
+
+def test_each_method_uses_the_seeds_with_all_its_runs_and_a_pair_those_both_have():
+    gains = {(m, v): 0.25 for m, values in fp.SWEEPS.items() for v in values}
+    kl = {(m, v): 1e-3 for m, values in fp.SWEEPS.items() for v in values}
+    result = fake_result(gains, kl, seeds=(0, 1, 2))
+    # Seed 2 has LoGRA and dense only, and LoRA lacks one step size there.
+    result["runs"] = [r for r in result["runs"] if not (r["seed"] == 2 and (r["method"] == "dense_paper" or
+                                                                            (r["method"], r["value"]) == ("lora", fp.SWEEPS["lora"][0])))]
+    summary = summarise(result, "addition")
+    assert summary["seeds"] == [0, 1]
+    assert summary["method_seeds"] == {"dense": [0, 1, 2], "dense_paper": [0, 1], "lora": [0, 1], "logra": [0, 1, 2]}
+    entry = summary["levels"][5e-3]
+    assert entry["methods"]["logra"]["seeds"] == [0, 1, 2] and entry["methods"]["lora"]["seeds"] == [0, 1]
+    assert {name: pair["seeds"] for name, pair in entry["pairs"].items()} == {
+        "logra-dense": [0, 1, 2], "logra-dense_paper": [0, 1], "logra-lora": [0, 1]}
+    text = render(result)
+    assert "| 0.005 | LoGRA - dense AdamW | 3 | +0.0 |" in text and "| 0.005 | LoGRA - LoRA r=256 | 2 | +0.0 |" in text
 
 
 def test_crossed_bootstrap_of_a_prompt_effect_shared_by_the_seeds_is_wider_than_treating_seeds_apart():
