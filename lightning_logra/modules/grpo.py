@@ -6,13 +6,13 @@
     -> weight sync
 
 It knows nothing about LoGRA: under ``strategy="logra_fsdp"`` the optimizer step becomes a
-LoGRA update; under any other strategy it is AdamW (dense, or LoRA adapters).
+LoGRA update; under any other strategy it is AdamW (dense, or LoRA adapters). Getting the
+scored rollouts is ``grpo_sampling``'s, validation ``grpo_validation``'s.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 import lightning as L
@@ -28,47 +28,31 @@ from lightning_logra.hooks import ReportsLoGRASteps
 from lightning_logra.models import build_model, load_tokenizer, model_source, with_lora
 from lightning_logra.modules.arguments import DEPRECATED_ALIASES, check_arguments, config_groups, micro_batching
 from lightning_logra.modules.completions import completion_table, log_completion_table
-from lightning_logra.modules.async_rollouts import AsyncRollouts, last_step, steps_done
+from lightning_logra.modules.async_rollouts import AsyncRollouts
 from lightning_logra.modules.engines import step_low_rank_updates, sync_engine
-from lightning_logra.modules.multi_turn import build_multi_turn, prompt_conversations
-from lightning_logra.modules.prompt_checks import (
-    check_answer_column,
-    check_tests_column,
-    drop_prompts_past_positions,
-    warn_if_unscored,
-)
+from lightning_logra.modules.grpo_sampling import RolloutSampling
+from lightning_logra.modules.grpo_validation import PassAtNValidation
+from lightning_logra.modules.multi_turn import build_multi_turn
+from lightning_logra.modules.prompt_checks import check_answer_column, check_tests_column, drop_prompts_past_positions
 from lightning_logra.rewards.config import RewardConfig
-from lightning_logra.rewards.runner import RewardRunner, RewardScores
-from lightning_logra.rollout.base import RolloutEngine, Rollouts
+from lightning_logra.rewards.runner import RewardRunner
 from lightning_logra.rollout.config import RolloutConfig
-from lightning_logra.rollout.engines import build_engine
-from lightning_logra.rollout.worker import RolloutWorker
 from lightning_logra.rl.batch import BACKWARD_HINT, RolloutBatch, batch_logprobs, mini_batch_rows
-from lightning_logra.rl.collectives import any_rank, gather_objects, gather_ranks
+from lightning_logra.rl.collectives import any_rank, gather_ranks
 from lightning_logra.rl.config import (BatchingConfig, LoggingConfig, LoRAConfig, LossConfig, MultiTurnConfig,
                                        OptimizerConfig)
 from lightning_logra.rl.advantages import NonFiniteRewards, RunningBaseline, group_advantages, length_scaled
 from lightning_logra.rl.metrics import PassTotals, PhaseClock, step_metrics
 from lightning_logra.rl.packing import check_packing
 from lightning_logra.rl.step import optimizer_with_schedule, run_update
-from lightning_logra.rl.step_kl import completion_kl, draw_tokens, k3_sums
-from lightning_logra.rl.sampling import (
-    ScoredRollouts,
-    draw_prompts,
-    fill_informative_groups,
-    overlong_penalty,
-    sampling_seed,
-    score_rollouts,
-)
+from lightning_logra.rl.step_kl import draw_tokens, k3_sums
+from lightning_logra.rl.sampling import ScoredRollouts, sampling_seed
 
-# What shrinks each phase's memory, for the error an out-of-memory in it raises.
-ROLLOUT_HINT = ("rollout.max_new_tokens, rollout.num_generations, prompts per step (data batch_size), "
-                "rollout.gpu_memory_utilization (vLLM)")
 MAX_EMPTY_UPDATES = 8  # updates in a row with no token to train on before the run stops
 
 
 @deprecated_attributes(DEPRECATED_ALIASES)
-class GRPOModule(L.LightningModule):
+class GRPOModule(RolloutSampling, PassAtNValidation, L.LightningModule):
     """GRPO / Dr. GRPO / REINFORCE-with-baseline on any Hugging Face causal LM.
 
     ``model`` is a hub id, a local folder, or the offline built-in
@@ -367,91 +351,6 @@ class GRPOModule(L.LightningModule):
                 f"({self.rollout_config.max_new_tokens}); raise it, or turn mask_truncated off. With an "
                 "environment_factory, no rollout may have started (tools/failed_rollouts; a warning says why)")
 
-    def _sample(self, batch: dict[str, list], phases: "PhaseClock"):
-        """The step's scored rollouts; with ``rollout.dynamic_sampling`` groups of equal
-        rewards are replaced by groups of further prompts (see ``fill_informative_groups``)."""
-        first = self._generate_and_score(batch, phases)
-        config = self.rollout_config
-        if not config.dynamic_sampling:
-            return first, None
-        prompts = len(batch["prompt_text"])
-        return fill_informative_groups(
-            first, lambda round_: self._generate_and_score(self._more_prompts(round_, prompts), phases),
-            group_size=config.num_generations, max_rounds=config.max_sampling_rounds,
-            pad_token_id=self.tokenizer.pad_token_id, any_rank=lambda flag: any_rank(flag, self.device),
-        )
-
-    def _generate_and_score(self, batch: dict[str, list], phases: "PhaseClock") -> ScoredRollouts:
-        config = self.rollout_config
-        with memory_phase("rollout", ROLLOUT_HINT):
-            rollouts = self._rollouts(batch, config.num_generations)
-        phases.lap("generation")
-        return self._score(batch, rollouts, phases)
-
-    def _score(self, batch: dict[str, list], rollouts: Rollouts, phases: "PhaseClock") -> ScoredRollouts:
-        config = self.rollout_config
-        scores, columns = score_rollouts(self.reward_runner, rollouts, batch, config.num_generations)
-        self._warn_if_unscored(scores, columns)
-        rewards = torch.tensor(scores.total, dtype=torch.float32, device=self.device)
-        loss = self.loss_config
-        if loss.overlong_buffer:
-            lengths = rollouts.completion_mask.sum(dim=1).to(rewards.device)
-            rewards = rewards + overlong_penalty(lengths, config.max_new_tokens, loss.overlong_buffer, loss.overlong_penalty)
-        phases.lap("rewards")
-        return ScoredRollouts(rollouts, columns, scores, rewards)
-
-    # One-step-off-policy rollouts (rollout.max_staleness > 0; modules/async_rollouts.py) ----------
-    def _sample_ahead(self, batch: dict[str, list], phases: "PhaseClock") -> ScoredRollouts:
-        """This step's rollouts from the worker process, which samples the next batches meanwhile;
-        ``generation`` times the wait for them."""
-        config, updates_per_step = self.rollout_config, self.batching.num_iterations * self.batching.mini_batches
-        if self._async is None:
-            self._async = AsyncRollouts(
-                lambda: RolloutWorker(self._model_source, self.tokenizer, config, lora=self._lora,
-                                      threads=config.worker_threads, seed=self.seed),
-                max_staleness=config.max_staleness, num_generations=config.num_generations,
-                full_sync_every=config.full_sync_every,
-                seed_of=lambda index: sampling_seed(self.seed, index * updates_per_step, self.global_rank))
-        index = steps_done(self.trainer)
-        with memory_phase("rollout", ROLLOUT_HINT):
-            rollouts, version = self._async.rollouts(batch, index=index, epoch=self.current_epoch,
-                                                     loader=self.trainer.train_dataloader, policy=self.policy,
-                                                     last_index=last_step(self.trainer, index, updates_per_step))
-        self._staleness = index - version
-        phases.lap("generation")
-        return self._score(batch, rollouts, phases)
-
-    def _sync_worker(self, updates: int) -> None:
-        """Send the worker what this step changed; it then samples at version (steps done) + 1."""
-        logra = isinstance(self.trainer.strategy, ReportsLoGRASteps)
-        if logra and len(self._low_rank_updates) != updates:
-            raise RuntimeError(f"{updates} LoGRA updates ran but {len(self._low_rank_updates)} reported their "
-                               "low-rank form: the rollout worker cannot follow them")
-        self._async.sync(self.policy, [u for step in self._low_rank_updates for u in step],
-                         version=steps_done(self.trainer) + 1)
-
-    def teardown(self, stage: str) -> None:
-        if self._async is not None:
-            self._async.close()
-            self._async = None
-
-    def _rollouts(self, batch: dict[str, list], num_generations: int, **sampling) -> Rollouts:
-        """The batch's samples: single completions, or with tools conversations."""
-        if self.multi_turn is None:
-            return self.engine.generate(batch["prompt_text"], num_generations=num_generations, **sampling)
-        prompts, rows = prompt_conversations(batch, getattr(self._trainer, "datamodule", None))
-        return self.multi_turn.generate(self.engine, prompts, rows, num_generations=num_generations, device=self.device,
-                                        any_rank=lambda flag: any_rank(flag, self.device), **sampling)
-
-    def _warn_if_unscored(self, scores: RewardScores, columns: dict[str, list]) -> None:
-        if not self._warned_unscored:  # once: data that causes it causes it at every step
-            self._warned_unscored = warn_if_unscored(scores, columns, self.reward_runner)
-
-    def _more_prompts(self, round_: int, count: int) -> dict[str, list]:
-        """Further prompts for dynamic sampling: a resumed run draws the same ones."""
-        seed = sampling_seed(self.seed + 7_727 * round_, self.global_step, self.global_rank)
-        return draw_prompts(self.trainer.train_dataloader, count, seed)
-
     def _log_completions(self, scored: ScoredRollouts, first_step: int) -> None:
         every = self.logging.completions_every
         training_step = first_step // (self.batching.num_iterations * self.batching.mini_batches)
@@ -473,49 +372,6 @@ class GRPOModule(L.LightningModule):
             functions = ", ".join(f"{name!r} (weight {weight})" for name, weight in zip(runner.names, runner.weights))
             raise NonFiniteRewards(f"{error}: scale down the rewards of {functions}") from None
 
-    # Validation: pass@1 and pass@n over n samples per prompt ----------------------------------
-    def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
-        config = self.rollout_config
-        n = config.val_generations
-        torch.manual_seed(sampling_seed(self.seed + 1, batch_idx, self.global_rank))
-        rollouts = self._rollouts(batch, n, temperature=config.val_temperature, top_p=config.val_top_p)
-        scores, columns = score_rollouts(self.reward_runner, rollouts, batch, n)
-        self._warn_if_unscored(scores, columns)
-        totals = torch.tensor(scores.total, device=self.device)
-        if self.logging.val_completions:
-            scored = ScoredRollouts(rollouts, columns, scores, totals)
-            self._val_tables.append(completion_table(scored, step=self.global_step, count=totals.numel()))
-        if self.logging.kl_from_init:
-            self._log_kl_from_init(rollouts, batch_idx)
-        if self.val_tool_calls is not None:
-            calls = torch.tensor([float(c.tool_calls) for c in rollouts.conversations], device=self.device)
-            self.val_tool_calls.update(calls)
-            self.log("val/tools/calls_per_sample", self.val_tool_calls, on_epoch=True, batch_size=calls.numel())
-        correct = (totals > 0).float().view(-1, n)
-        self.val_pass_at_1.update(correct.mean(dim=1))
-        self.val_pass_at_n.update(correct.amax(dim=1))  # unbiased pass@k with k = n
-        self.log("val/pass_at_1", self.val_pass_at_1, on_epoch=True, prog_bar=True, batch_size=correct.shape[0])
-        self.log(f"val/pass_at_{n}", self.val_pass_at_n, on_epoch=True, batch_size=correct.shape[0])
-
-    def _log_kl_from_init(self, rollouts: Rollouts, batch_idx: int) -> None:
-        """``val/kl_from_init`` over these validation samples' completion positions."""
-        seed = sampling_seed(self.seed + 2, batch_idx, self.global_rank)
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        kl_sum, positions = completion_kl(self.policy, self.reference, rollouts, self._micro_batching, generator)
-        self.val_kl_from_init.update(kl_sum / positions.clamp(min=1), weight=positions)
-        self.log("val/kl_from_init", self.val_kl_from_init, on_epoch=True, batch_size=rollouts.input_ids.shape[0])
-
-    def on_validation_epoch_start(self) -> None:
-        self._val_tables = []  # nothing left over from an interrupted validation
-
-    def on_validation_epoch_end(self) -> None:
-        if not self.logging.val_completions:
-            return
-        tables = gather_objects(self._val_tables)
-        if self.global_rank == 0 and tables:
-            table = {column: [value for part in tables for value in part[column]] for column in tables[0]}
-            log_completion_table(self.loggers, table, step=self.global_step, name="val_completions")
-
     # Optimizer: AdamW with linear warm-up and cosine decay (the paper's dense baseline) -------
     def configure_optimizers(self):
         """AdamW over the trainable parameters and its warm-up + cosine schedule
@@ -525,18 +381,6 @@ class GRPOModule(L.LightningModule):
         steps the non-targets), so it never sees a gradient and keeps no state; its schedule
         sets LoGRA's step size only when ``logra.follow_lr_schedule`` is on."""
         return optimizer_with_schedule(self.policy.parameters(), self.optimizer_config)
-
-    # Rollout engine, built once the strategy has placed the model -----------------------------
-    @property
-    def engine(self) -> RolloutEngine:
-        """The engine of this process. With ``rollout.max_staleness > 0`` the training rollouts
-        come from the worker's engine and this one only validates: the HF engine on the policy."""
-        if self._engine is None:
-            config = self.rollout_config
-            if config.max_staleness:
-                config = replace(config, engine="hf", weight_sync="full")
-            self._engine = build_engine(config, self.policy, self.tokenizer, seed=self.seed)
-        return self._engine
 
     # Checkpointed state beyond the weights -----------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
