@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import lightning as L
 import torch
+from typing_extensions import override
 
 from lightning_logra.core.reliability import memory_phase
 from lightning_logra.hooks import ReportsLoGRASteps
@@ -32,6 +34,16 @@ from lightning_logra.rollout.worker import RolloutWorker
 # What shrinks each phase's memory, for the error an out-of-memory in it raises.
 ROLLOUT_HINT = ("rollout.max_new_tokens, rollout.num_generations, prompts per step (data batch_size), "
                 "rollout.gpu_memory_utilization (vLLM)")
+
+
+class StopRolloutWorkerOnException(L.Callback):
+    """Stops the module's rollout worker when a fit raises: Lightning then calls no module
+    hook (``teardown`` runs only after a fit that ends), and the worker process would hold
+    its copy of the model until the module is collected."""
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        pl_module.stop_rollout_worker()
 
 
 class RolloutSampling:
@@ -105,10 +117,18 @@ class RolloutSampling:
         self._async.sync(self.policy, [u for step in self._low_rank_updates for u in step],
                          version=steps_done(self.trainer) + 1)
 
-    def teardown(self, stage: str) -> None:
+    def stop_rollout_worker(self) -> None:
+        """Stop the worker process of ``rollout.max_staleness``, if one runs; a later step
+        starts a new one."""
         if self._async is not None:
             self._async.close()
             self._async = None
+
+    def teardown(self, stage: str) -> None:
+        self.stop_rollout_worker()
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        return [*super().configure_callbacks(), StopRolloutWorkerOnException()]
 
     def _rollouts(self, batch: dict[str, list], num_generations: int, **sampling) -> Rollouts:
         """The batch's samples: single completions, or with tools conversations."""

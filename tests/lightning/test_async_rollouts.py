@@ -1,7 +1,8 @@
 """One-step-off-policy rollouts (``rollout.max_staleness``): what the trainer asks the worker
 for and when (``modules/async_rollouts.py``, with a recording worker), and whole fits with
 the real worker process: its weights equal the trainer's after every step, the first step
-equals the synchronous run's, a resume equals the uninterrupted run."""
+equals the synchronous run's, a resume equals the uninterrupted run, a fit that raises stops
+the worker."""
 
 import warnings
 
@@ -189,6 +190,20 @@ def test_the_first_step_equals_the_synchronous_runs(model_folder):
     fit(asynchronous, model_folder, logra(), steps=1)
     ours = dict(asynchronous.policy.named_parameters())
     assert all(torch.equal(p, ours[n]) for n, p in synchronous.policy.named_parameters())
+
+
+class RaiseAfterFirstStep(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        self.worker = pl_module._async.worker._process  # running, a batch sampled ahead
+        raise RuntimeError("a fit that fails after its first step")
+
+
+@pytest.mark.integration
+def test_a_fit_that_raises_stops_the_worker(model_folder):
+    failing, module = RaiseAfterFirstStep(), one_step_off(model_folder)
+    with pytest.raises(RuntimeError, match="a fit that fails after its first step"):
+        fit(module, model_folder, callbacks=[failing])
+    assert module._async is None and not failing.worker.is_alive()
 
 
 @pytest.mark.integration
