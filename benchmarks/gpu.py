@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING
 
 from .harness import (MODES, ROOT, Clock, Runner, StepHooks, alternate_modes, argument_parser, build_mode, code_version,
                       command_line, load_json, machine_info, machine_line, micro_batching, optimizer_state_bytes, pyplot,
-                      random_token_rows, replay_rollouts, run_module, save_figure, save_json, step_line, summarise,
-                      write_outputs)
+                      random_replay, random_token_rows, replay_rollouts, run_module, save_figure, save_json, step_line,
+                      summarise, write_outputs)
 from .model_shapes import QWEN_SHAPES, SMOKE
 
 if TYPE_CHECKING:  # for the annotations; the functions import torch where they use it
@@ -129,9 +129,8 @@ def replay_random(runner: Runner, shape: dict, rows: int, tokens: int, seed: int
     """The replayed batch of ``rows`` random rows (``SIZE_PROMPT`` prompt tokens at most, one
     prompt per group of all the rows), scored by the runner's model."""
     prompt = min(SIZE_PROMPT, tokens // 8)
-    ids = random_token_rows(rows, prompt, tokens - prompt, shape["vocab_size"], num_generations=rows, seed=seed)
-    return replay_rollouts(runner.model, ids, prompt, num_generations=rows, seed=seed, settings=runner.settings,
-                           context=runner.hooks.context)
+    return random_replay(runner.model, rows, prompt, tokens - prompt, shape["vocab_size"], num_generations=rows,
+                         seed=seed, settings=runner.settings, context=runner.hooks.context)
 
 
 def rollout(runner: Runner, rows: int, prompt_tokens: int, new_tokens: int, seed: int):

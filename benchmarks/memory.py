@@ -43,8 +43,8 @@ from pathlib import Path
 
 from .harness import (MODES, RANK, argument_parser, build_mode, check_smoke_out, code_version, command_line,
                       cpu_caption, load_json, machine_info, machine_line, meta_memory_rows, micro_batching,
-                      optimizer_state_bytes, prompt_share, pyplot, random_token_rows, replay_rollouts, run_module,
-                      save_figure, save_json, stacked_bars, step_line, write_outputs)
+                      optimizer_state_bytes, prompt_share, pyplot, random_replay, run_module, save_figure, save_json,
+                      stacked_bars, step_line, write_outputs)
 from .memory_ranks import RANK_MODES, measure_ranks
 from .model_shapes import BENCH_156M, QWEN_SHAPES, SMOKE
 
@@ -78,9 +78,8 @@ def run_mode(mode: str, logprob_chunk: int, smoke: bool = False) -> dict:
     baseline = rss_mib()
     model = Qwen2ForCausalLM(Qwen2Config(**shape))
     # The same rollouts in every mode's process: the same seeds, scored by the same initial weights.
-    replay = replay_rollouts(model, random_token_rows(MICRO_BATCHES, prompt, tokens - prompt, shape["vocab_size"],
-                                                      num_generations=MICRO_BATCHES, seed=1),
-                             prompt, num_generations=MICRO_BATCHES, seed=1, settings=settings)
+    replay = random_replay(model, MICRO_BATCHES, prompt, tokens - prompt, shape["vocab_size"],
+                           num_generations=MICRO_BATCHES, seed=1, settings=settings)
     # LoGRA probes both rows at full length, as this benchmark always has (set explicitly).
     runner = build_mode(mode, model, settings, probe_responses=MICRO_BATCHES, probe_max_tokens=tokens)
     model = runner.model

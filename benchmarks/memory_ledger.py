@@ -31,9 +31,9 @@ import json
 import os
 from collections import defaultdict
 
-from .harness import (MODES, RANGES, argument_parser, build_mode, check_smoke_out, code_version, command_line, load_json,
-                      machine_info, machine_line, micro_batching, optimizer_state_bytes, prompt_share, random_token_rows,
-                      replay_rollouts, run_module, save_json, step_line, write_outputs)
+from .harness import (MODES, RANGES, argument_parser, build_mode, check_smoke_out, code_version, command_line,
+                      load_json, machine_info, machine_line, micro_batching, optimizer_state_bytes, prompt_share,
+                      random_replay, run_module, save_json, step_line, write_outputs)
 from .model_shapes import BENCH_156M, SMOKE
 
 MIB = 2**20
@@ -56,9 +56,8 @@ def run_mode(mode: str, smoke: bool = False) -> dict:
     settings = micro_batching(tokens - prompt)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**shape))
-    replay = replay_rollouts(model, random_token_rows(MICRO_BATCHES, prompt, tokens - prompt, shape["vocab_size"],
-                                                      num_generations=MICRO_BATCHES, seed=1),
-                             prompt, num_generations=MICRO_BATCHES, seed=1, settings=settings)
+    replay = random_replay(model, MICRO_BATCHES, prompt, tokens - prompt, shape["vocab_size"],
+                           num_generations=MICRO_BATCHES, seed=1, settings=settings)
     whole_rows = {"probe_mlp_chunk_tokens": tokens} if mode == "logra_mlp_whole" else {}
     runner = build_mode(mode.split("_")[0], model, settings, probe_responses=MICRO_BATCHES, probe_max_tokens=tokens, **whole_rows)
     if runner.logra is None:

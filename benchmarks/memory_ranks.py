@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .harness import ROOT, build_mode, micro_batching, optimizer_state_bytes, prompt_share, random_token_rows, replay_rollouts
+from .harness import ROOT, build_mode, micro_batching, optimizer_state_bytes, prompt_share, random_replay
 from .model_shapes import BENCH_156M, SMOKE
 
 MIB = 2**20
@@ -69,9 +69,8 @@ def rank_main(mode: str, tokens: int, micro_batches: int, smoke: bool = False) -
     baseline = _status_mib("VmRSS")
     torch.manual_seed(0)  # the same initial weights on every rank
     model = Qwen2ForCausalLM(Qwen2Config(**shape))
-    replay = replay_rollouts(model, random_token_rows(micro_batches, prompt, tokens - prompt, shape["vocab_size"],
-                                                      num_generations=micro_batches, seed=1 + rank),
-                             prompt, num_generations=micro_batches, seed=1 + rank, settings=settings)
+    replay = random_replay(model, micro_batches, prompt, tokens - prompt, shape["vocab_size"],
+                           num_generations=micro_batches, seed=1 + rank, settings=settings)
     runner = build_mode(mode.split("_")[0], model, settings, probe_responses=micro_batches, probe_max_tokens=tokens,
                         shard=lambda model: shard_policy(model, mesh, LoGRAConfig().target_modules),
                         **({"sketch_accumulation": mode.split("_")[1]} if mode.startswith("logra") else {}))

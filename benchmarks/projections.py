@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from .harness import (alternate_modes, argument_parser, build_mode, check_smoke_out, code_version, command_line,
-                      default_generations, load_json, machine_info, machine_line, micro_batching, prompt_share, pyplot, random_token_rows,
-                      replay_rollouts, save_figure, save_json, write_outputs)
+                      default_generations, load_json, machine_info, machine_line, micro_batching, prompt_share,
+                      pyplot, random_replay, save_figure, save_json, write_outputs)
 from .model_shapes import QWEN_SHAPES, SMOKE, decoder_slice
 
 GIB = 2**30
@@ -67,9 +67,8 @@ def measure_step(shape: dict, model_name: str, tokens: int, micro_batches: int, 
     prompt = prompt_share(tokens)
     settings = micro_batching(tokens - prompt)
     generations = default_generations(micro_batches)
-    replay = replay_rollouts(initial, random_token_rows(micro_batches, prompt, tokens - prompt, shape["vocab_size"],
-                                                        num_generations=generations, seed=1),
-                             prompt, num_generations=generations, seed=1, settings=settings)
+    replay = random_replay(initial, micro_batches, prompt, tokens - prompt, shape["vocab_size"],
+                           num_generations=generations, seed=1, settings=settings)
     runners = {}
     for mode, regenerate in MODES.items():
         model = Qwen2ForCausalLM(Qwen2Config(**shape))

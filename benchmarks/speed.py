@@ -39,9 +39,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .harness import (MODES, alternate_modes, argument_parser, build_mode, check_smoke_out, code_version, command_line,
-                      contention_line, cpu_caption, default_generations, load_json, machine_info, machine_line,
-                      micro_batching, prompt_share, pyplot, random_token_rows, replay_rollouts, save_figure, save_json,
+from .harness import (MODES, alternate_modes, argument_parser, build_mode, check_smoke_out, code_version,
+                      command_line, contention_line, cpu_caption, default_generations, load_json, machine_info,
+                      machine_line, micro_batching, prompt_share, pyplot, random_replay, save_figure, save_json,
                       stacked_bars, step_line, summarise, write_outputs)
 from .model_shapes import BENCH_156M, QWEN_SHAPES, SMOKE, decoder_slice
 
@@ -65,9 +65,8 @@ def measure_tokens(tokens: int, micro_batches: int, probe_max_tokens: int | None
     generations = default_generations(micro_batches)
     settings = micro_batching(tokens - prompt)
     # The same rollouts for every mode and repetition, scored by the initial weights.
-    replay = replay_rollouts(initial, random_token_rows(micro_batches, prompt, tokens - prompt, shape["vocab_size"],
-                                                        num_generations=generations, seed=1),
-                             prompt, num_generations=generations, seed=1, settings=settings)
+    replay = random_replay(initial, micro_batches, prompt, tokens - prompt, shape["vocab_size"],
+                           num_generations=generations, seed=1, settings=settings)
     # Both set explicitly: by default whole rows, since the library's default
     # probe_max_tokens (4,096) would truncate 8k rows.
     probe_max_tokens = probe_max_tokens or tokens

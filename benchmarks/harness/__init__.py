@@ -32,7 +32,7 @@ tensors (``adamw_state_bytes``).
 from __future__ import annotations
 
 from .step import (
-    MODES, RANK, RANGES, default_generations, prompt_share, random_token_rows, replay_rollouts,
+    MODES, RANK, RANGES, default_generations, prompt_share, random_replay, random_token_rows, replay_rollouts,
     micro_batching, StepHooks, Clock, Runner, build_mode, optimizer_state_bytes,
 )
 from .pairing import alternate_modes, summarise, contention_line
@@ -68,6 +68,7 @@ __all__ = [
     "optimizer_state_bytes",
     "prompt_share",
     "pyplot",
+    "random_replay",
     "random_token_rows",
     "replay_rollouts",
     "run_module",

@@ -103,6 +103,16 @@ def replay_rollouts(model, input_ids, prompt_tokens: int, *, num_generations: in
     return Replay(RolloutBatch(rollouts, mask, rollouts.rollout_logprobs[:, 1:], advantages), num_generations)
 
 
+def random_replay(model, rows: int, prompt_tokens: int, completion_tokens: int, vocab_size: int, *,
+                  num_generations: int, seed: int, settings, context: Callable[[], Any] = nullcontext) -> Replay:
+    """``replay_rollouts`` of ``random_token_rows``: the rows and their rewards both drawn
+    from ``seed``, scored by ``model``."""
+    ids = random_token_rows(rows, prompt_tokens, completion_tokens, vocab_size, num_generations=num_generations,
+                            seed=seed)
+    return replay_rollouts(model, ids, prompt_tokens, num_generations=num_generations, seed=seed, settings=settings,
+                           context=context)
+
+
 def micro_batching(completion_tokens: int, *, micro_batch_size: int = 1, logprob_chunk: int | None = None,
                    micro_batch_tokens: int | None = None):
     """GRPOModule's defaults (loss ``LossConfig()``: grpo; sampling temperature 1; no
