@@ -23,11 +23,6 @@ def method_seeds(result: dict, task: str, method: str) -> list[int]:
             if all(any(r["seed"] == s for r in runs_of(result, task, method, v)) for v in SWEEPS[method])]
 
 
-def complete_seeds(result: dict, task: str) -> list[int]:
-    """The seeds with every sweep run of every method (all 5 once the protocol is in)."""
-    return [s for s in sorted(untrained_of(result, task)) if all(s in method_seeds(result, task, m) for m in METHODS)]
-
-
 def shared_prompts(result: dict, task: str, seeds: list[int]) -> bool:
     untrained = untrained_of(result, task)
     return len({untrained[s]["prompts_digest"] for s in seeds}) == 1
@@ -96,7 +91,8 @@ def summarise(result: dict, task: str) -> dict:
                               "median_run_s": statistics.median(r["seconds"] for r in runs)})
     timing = {r["method"]: r["step_s"] for r in result["runs"] if r["task"] == task and r["kind"] == "timing"}
     seconds = sum(r["seconds"] for r in result["runs"] if r["task"] == task) + sum(u["seconds"] for u in untrained.values())
-    complete = complete_seeds(result, task)
+    # The seeds with every method's runs (all 5 once the protocol is in).
+    complete = sorted(set.intersection(*(set(seeds) for seeds in seeds_of.values())))
     return {"seeds": complete, "method_seeds": seeds_of, "crossed": crossed(complete), "levels": levels,
             "sweep": sweep, "timing": timing,
             "chosen": {m: chosen_value(result, task, m, seeds_of[m]) if seeds_of[m] else None for m in METHODS},
