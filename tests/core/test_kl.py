@@ -194,7 +194,7 @@ def test_probe_does_not_modify_weights_or_sketch_anything():
 
 @pytest.mark.parametrize("case", ["causal", "bool_mask", "float_mask", "gqa"])
 def test_blocked_probe_attention_equals_sdpa_in_value_and_tangent(case):
-    from lightning_logra.core.probe_modules import _BlockedAttention
+    from lightning_logra.core.probe_modules import _ProbeFunctions
 
     generator = torch.Generator().manual_seed(3)
     query, key, value, q_tangent, v_tangent = (torch.randn(2, 4, 11, 8, generator=generator, dtype=torch.float64) for _ in range(5))
@@ -221,22 +221,48 @@ def test_blocked_probe_attention_equals_sdpa_in_value_and_tangent(case):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     expected = run(sdpa_kernel([SDPBackend.MATH]))
-    actual = run(_BlockedAttention(block=4))
+    actual = run(_ProbeFunctions(block=4))
     # float64 throughout: only summation order differs.
     torch.testing.assert_close(actual[0], expected[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(actual[1], expected[1], rtol=1e-12, atol=1e-12)
 
 
 def test_blocked_probe_attention_gives_zero_for_a_query_that_sees_nothing():
-    from lightning_logra.core.probe_modules import _BlockedAttention
+    from lightning_logra.core.probe_modules import _ProbeFunctions
 
     query = key = value = torch.randn(1, 1, 3, 4)
     allowed = torch.ones(1, 1, 3, 3, dtype=torch.bool).tril()
     allowed[..., 0, :] = False
-    with _BlockedAttention(block=2):
+    with _ProbeFunctions(block=2):
         out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed)
     assert torch.equal(out[0, 0, 0], torch.zeros(4))
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_probe_linear_gives_forward_ads_value_and_tangent_from_two_gemms(bias):
+    """Forward AD's own rule for F.linear also multiplies the input by the weight's zero
+    tangent (a third GEMM); the probe's rule skips it and keeps every bit."""
+    from torch.profiler import profile
+
+    from lightning_logra.core.probe_modules import _ProbeFunctions
+
+    generator = torch.Generator().manual_seed(5)
+    linear = nn.Linear(16, 24, bias=bias)
+    inputs, tangent = (torch.randn(2, 7, 16, generator=generator) for _ in range(2))
+
+    def run(mode):
+        with torch.no_grad(), fwAD.dual_level(), mode, profile() as profiler:
+            primal, out_tangent = fwAD.unpack_dual(linear(fwAD.make_dual(inputs, tangent)))
+            result = primal.clone(), out_tangent.clone()
+        gemms = sum(event.count for event in profiler.key_averages() if event.key in ("aten::mm", "aten::addmm"))
+        return result, gemms
+
+    from contextlib import nullcontext
+
+    (expected, forward_ad_gemms), (actual, probe_gemms) = run(nullcontext()), run(_ProbeFunctions(block=4))
+    assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
+    assert (forward_ad_gemms, probe_gemms) == (3, 2)
 
 
 def test_probe_one_sequence_at_a_time_matches_the_mean_over_the_batch():
