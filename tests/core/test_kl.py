@@ -240,9 +240,12 @@ def test_blocked_probe_attention_gives_zero_for_a_query_that_sees_nothing():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_probe_linear_gives_forward_ads_value_and_tangent_from_two_gemms(bias):
+@pytest.mark.parametrize("bf16_autocast", [False, True])
+def test_probe_linear_gives_forward_ads_value_and_tangent_from_two_gemms(bias, bf16_autocast):
     """Forward AD's own rule for F.linear also multiplies the input by the weight's zero
     tangent (a third GEMM); the probe's rule skips it and keeps every bit."""
+    from contextlib import nullcontext
+
     from torch.profiler import profile
 
     from lightning_logra.core.probe_modules import _ProbeFunctions
@@ -251,14 +254,14 @@ def test_probe_linear_gives_forward_ads_value_and_tangent_from_two_gemms(bias):
     linear = nn.Linear(16, 24, bias=bias)
     inputs, tangent = (torch.randn(2, 7, 16, generator=generator) for _ in range(2))
 
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16_autocast else nullcontext()
+
     def run(mode):
-        with torch.no_grad(), fwAD.dual_level(), mode, profile() as profiler:
+        with torch.no_grad(), fwAD.dual_level(), autocast, mode, profile() as profiler:
             primal, out_tangent = fwAD.unpack_dual(linear(fwAD.make_dual(inputs, tangent)))
             result = primal.clone(), out_tangent.clone()
         gemms = sum(event.count for event in profiler.key_averages() if event.key in ("aten::mm", "aten::addmm"))
         return result, gemms
-
-    from contextlib import nullcontext
 
     (expected, forward_ad_gemms), (actual, probe_gemms) = run(nullcontext()), run(_ProbeFunctions(block=4))
     assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
