@@ -9,7 +9,9 @@ S = G A^T, where G is the dense gradient that is never formed.
 Under non-reentrant activation checkpointing the hook runs twice per micro-batch (the
 forward, whose saved tensors the checkpoint drops, and the recompute), so there it saves X
 instead and computes P once, in backward, with the same matmul: the same sketch, bit for
-bit. With ``share_projection_by_input`` the targets that read one input tensor (q/k/v,
+bit. X is saved by a forward pre-hook, before the layer's matmul: the recompute stops at
+the region's last saved tensor, so a save after the matmul would make it redo the last
+target's matmul (down_proj's, in a decoder layer) only to save X again. With ``share_projection_by_input`` the targets that read one input tensor (q/k/v,
 gate/up) share one A, and P is computed once per group. Under FSDP2 with sharded
 accumulation the backward hands dY^T P to a ``ShardedAccumulator`` instead, which
 reduce-scatters it so that ``sketch`` holds only the rank's own rows.
@@ -126,26 +128,49 @@ class SketchSet:
             state.handles.clear()
 
 
+class _KeepInput(torch.autograd.Function):
+    """Identity on the layer input that saves X for the sketch, before the layer's matmul
+    (under activation checkpointing). Its own backward only passes the gradient on: the
+    output side's ``_AccumulateSketch`` reads X from this node, which is still unrun then."""
+
+    @staticmethod
+    def forward(ctx: Any, inputs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inputs)
+        return inputs.view_as(inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad_inputs: torch.Tensor) -> torch.Tensor:
+        return grad_inputs
+
+
+_KEPT_INPUT_NODE = _KeepInput._backward_cls
+
+
 class _AccumulateSketch(torch.autograd.Function):
     """Identity on the layer output whose backward adds dY^T P into the sketch.
 
     ``saved`` is P itself, or, under activation checkpointing (``autocast`` given), the
-    layer input X, projected in backward under the forward's autocast state."""
+    layer input X, projected in backward under the forward's autocast state; X is then
+    either ``saved`` or, when ``kept`` is given, the X that ``_KeepInput`` node saved."""
 
     @staticmethod
     def forward(
-        ctx: Any, output: torch.Tensor, saved: torch.Tensor, state: SketchState, autocast: AutocastState | None
+        ctx: Any, output: torch.Tensor, saved: torch.Tensor | None, state: SketchState,
+        autocast: AutocastState | None, kept: Any = None,
     ) -> torch.Tensor:
         # Saved through save_for_backward so that autograd frees it right after this node's
         # backward, and activation checkpointing can drop and recompute it.
         ctx.save_for_backward(saved)
         ctx.state = state
         ctx.autocast = autocast
+        ctx.kept = kept
         return output.view_as(output)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        (saved,) = ctx.saved_tensors
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        # _KeepInput's own backward never unpacks X: checkpointing hands each recomputed
+        # tensor out once.
+        (saved,) = ctx.kept.saved_tensors if ctx.kept is not None else ctx.saved_tensors
         state: SketchState = ctx.state
         if ctx.autocast is None:
             projected = saved
@@ -158,7 +183,7 @@ class _AccumulateSketch(torch.autograd.Function):
         else:
             state.accumulator.add(state, rows, projected)
         state.backward_calls += 1
-        return grad_output, None, None, None
+        return grad_output, None, None, None, None
 
 
 def add_outer(sketch: torch.Tensor, grad_rows: torch.Tensor, projected: torch.Tensor) -> None:
@@ -167,6 +192,14 @@ def add_outer(sketch: torch.Tensor, grad_rows: torch.Tensor, projected: torch.Te
         sketch.addmm_(grad_rows.T, projected)
     else:
         sketch.addmm_(grad_rows.T.to(sketch.dtype), projected.to(sketch.dtype))
+
+
+def _keep_input_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Under activation checkpointing, save X before the matmul (see the module docstring).
+    An input that needs no grad gets no autograd node: ``_sketch_hook`` saves X itself."""
+    if not torch.is_grad_enabled() or not args[0].requires_grad or not under_activation_checkpointing():
+        return None
+    return (_KeepInput.apply(args[0]), *args[1:])
 
 
 def _sketch_hook(state: SketchState):
@@ -181,8 +214,12 @@ def _sketch_hook(state: SketchState):
             output = output.detach().requires_grad_(True)
         if under_activation_checkpointing():
             # This pass's saved tensors are dropped (forward) or kept for backward
-            # (recompute): save X in both, project once in backward.
-            return _AccumulateSketch.apply(output, inputs.detach(), state, AutocastState.current(inputs.device.type))
+            # (recompute): X is saved in both (by _keep_input_hook when it could), and
+            # projected once, in backward.
+            autocast = AutocastState.current(inputs.device.type)
+            if type(inputs.grad_fn) is _KEPT_INPUT_NODE:
+                return _AccumulateSketch.apply(output, None, state, autocast, inputs.grad_fn)
+            return _AccumulateSketch.apply(output, inputs.detach(), state, autocast)
         return _AccumulateSketch.apply(output, state.project(inputs), state, None)
 
     return hook
@@ -271,6 +308,7 @@ def install_sketches(
             projection_name=projection_name,
             shared_input=shared,
         )
+        state.handles.append(module.register_forward_pre_hook(_keep_input_hook))
         state.handles.append(module.register_forward_hook(_sketch_hook(state)))
         states.append(state)
         offset += size

@@ -3,6 +3,7 @@ P = X A^T once, in backward, instead of in the forward (whose P the checkpoint d
 again in the recompute. The sketches must not change by a single bit."""
 
 import weakref
+from collections import Counter
 
 import pytest
 import torch
@@ -154,3 +155,30 @@ def test_saved_inputs_and_projections_are_freed_after_backward_while_the_loss_li
     projections_per_layer = 4 if shared else TARGETS_PER_LAYER  # shared: q/k/v, o, gate/up, down
     assert len(alive) == 2 * projections_per_layer * LAYERS * 2
     assert all(ref() is None for ref in alive)
+
+
+def linear_forward_counts(model: torch.nn.Module) -> Counter:
+    """How often each Linear's matmul ran in one forward and backward (counted first among
+    the forward hooks: a later one may stop the recompute)."""
+    counts: Counter = Counter()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda module, args, output, name=name: counts.update([name]), prepend=True)
+    tokens = micro_batches(1)[0]
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    return counts
+
+
+def test_the_recompute_stops_before_the_last_target_as_it_does_without_logra():
+    # Non-reentrant checkpointing stops its recompute at the region's last saved tensor. X
+    # saved after the matmul made it redo down_proj's matmul, the largest of a decoder
+    # layer, only to save X again; saved before it, the recompute stops where dense
+    # training's does. Everything else frozen, as LoGRAOptimizer leaves it, so layer 0's
+    # q/k/v (whose input needs no grad) take the fallback that saves X after the matmul.
+    _, dense = pair("qwen2")
+    _, logra = pair("qwen2")
+    logra.requires_grad_(False)
+    install_sketches(logra, LoGRAConfig(rank=16))
+    expected = linear_forward_counts(dense)
+    assert expected["model.layers.1.mlp.down_proj"] == 1 and expected["model.layers.1.mlp.up_proj"] == 2
+    assert linear_forward_counts(logra) == expected
