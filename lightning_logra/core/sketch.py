@@ -11,8 +11,9 @@ forward, whose saved tensors the checkpoint drops, and the recompute), so there 
 instead and computes P once, in backward, with the same matmul: the same sketch, bit for
 bit. X is saved by a forward pre-hook, before the layer's matmul: the recompute stops at
 the region's last saved tensor, so a save after the matmul would make it redo the last
-target's matmul (down_proj's, in a decoder layer) only to save X again. With ``share_projection_by_input`` the targets that read one input tensor (q/k/v,
-gate/up) share one A, and P is computed once per group. Under FSDP2 with sharded
+target's matmul (down_proj's, in a decoder layer) only to save X again. With
+``share_projection_by_input`` the targets that read one input tensor (q/k/v, gate/up)
+share one A, and P is computed once per group. Under FSDP2 with sharded
 accumulation the backward hands dY^T P to a ``ShardedAccumulator`` instead, which
 reduce-scatters it so that ``sketch`` holds only the rank's own rows.
 """
