@@ -5,8 +5,9 @@ Runs through the ``logra`` CLI, one after the other, without validation (same se
 prompts):
 
 - LoGRA on the quickstart (``configs/quickstart.yaml``: arithmetic:1, budget 2e-3 cosine to
-  5e-4) and on the code task (``configs/quickstart_code.yaml``: code:2, the same budget),
-  with ours (``stratified``, the default) and, on the quickstart, the authors' probe
+  5e-4), on two-digit sums (the quickstart on ``arithmetic:2+``, the frontier's held-out
+  task) and on the code task (``configs/quickstart_code.yaml``: code:2, the same budget),
+  with ours (``stratified``, the default) and, on the arithmetic tasks, the authors' probe
   (``kl_probe: reference``, the first 2 responses; on the code task: ``--runs
   code/reference``, and ``step_kl_rows.py``'s exact per-row measurement), measuring ``policy/step_kl`` on every row
   (``logging.step_kl_rows: 0``: only the token draws are noise). Per step: its ratio to
@@ -20,7 +21,7 @@ Target (issue 41): step KL / budget within [0.67, 1.5] on at least 90% of steps,
 at most 10% of a step, the default measurement at most 5%. Medians of times leave out the
 first step (warm-up). Run it alone on the machine: it measures wall time.
 
-    python -m benchmarks.step_kl                          # about 35 minutes on 2 CPU cores
+    python -m benchmarks.step_kl                          # about 50 minutes on 2 CPU cores
     python -m benchmarks.step_kl --runs code/reference --add   # one run, merged into the JSON
     python -m benchmarks.step_kl --render benchmarks/results/step_kl.json
 """
@@ -37,11 +38,15 @@ from .phases import PHASES
 
 LOGRA = "--trainer.strategy.init_args.logra"
 EVERY_ROW = "--model.init_args.logging.step_kl_rows=0"
+# Part 2's held-out task (two-digit sums, frontier_protocol's "addition"), same budget.
+ADDITION = ["--data.init_args.train=arithmetic:2+", "--data.init_args.val=arithmetic:2+", "--data.init_args.train_size=512"]
 RUNS = {
     "quickstart/reference": ("configs/quickstart.yaml", [f"{LOGRA}.kl_probe=reference", EVERY_ROW]),
     "quickstart/stratified": ("configs/quickstart.yaml", [EVERY_ROW]),
     "code/reference": ("configs/quickstart_code.yaml", [f"{LOGRA}.kl_probe=reference", EVERY_ROW]),
     "code/stratified": ("configs/quickstart_code.yaml", [EVERY_ROW]),
+    "addition/reference": ("configs/quickstart.yaml", [*ADDITION, f"{LOGRA}.kl_probe=reference", EVERY_ROW]),
+    "addition/stratified": ("configs/quickstart.yaml", [*ADDITION, EVERY_ROW]),
     "quickstart/dense_default": ("configs/quickstart_dense.yaml", []),
     "quickstart/logra_default": ("configs/quickstart.yaml", []),
     "quickstart/lora_default": ("configs/quickstart_lora.yaml", []),
@@ -130,7 +135,7 @@ def plot(result: dict, path: Path) -> None:
     plt = pyplot()
     figure, axis = plt.subplots(figsize=(7.5, 4))
     styles = {"reference": "--", "stratified": "-"}
-    colours = {"quickstart": "tab:green", "code": "tab:purple"}
+    colours = {"quickstart": "tab:green", "addition": "tab:orange", "code": "tab:purple"}
     for name, run in result["runs"].items():
         task, probe = name.split("/")
         if probe not in styles:

@@ -45,7 +45,7 @@ from lightning_logra.rl.advantages import NonFiniteRewards, RunningBaseline, gro
 from lightning_logra.rl.metrics import PassTotals, PhaseClock, step_metrics
 from lightning_logra.rl.packing import check_packing
 from lightning_logra.rl.step import optimizer_with_schedule, run_update
-from lightning_logra.rl.step_kl import draw_tokens, k3_sums
+from lightning_logra.rl.step_kl import k3_sums, plan_draw
 from lightning_logra.rl.sampling import ScoredRollouts, sampling_seed
 
 MAX_EMPTY_UPDATES = 8  # updates in a row with no token to train on before the run stops
@@ -307,18 +307,19 @@ class GRPOModule(RolloutSampling, PassAtNValidation, L.LightningModule):
         lowrank = self.rollout_config.weight_sync == "lowrank" or (
             self._async is not None and isinstance(self.trainer.strategy, ReportsLoGRASteps))
         draw = None
-        if self.logging.step_kl:
-            draw = draw_tokens(self.policy, batch, rows, self._micro_batching, count=self.logging.step_kl_rows,
-                               generator=self._step_kl_generator(passes.updates))
-            phases.lap("step_kl")
+        if self.logging.step_kl:  # its tokens are drawn in the training forward, from the pre-step policy
+            draw = plan_draw(batch, rows, count=self.logging.step_kl_rows, generator=self._step_kl_generator(passes.updates))
         update = run_update(self.policy, self.optimizers(), batch, rows, self._micro_batching,
                             backward=self.manual_backward, passes=passes, world=self.trainer.world_size,
                             num_generations=self.rollout_config.num_generations,
                             logra=isinstance(self.trainer.strategy, ReportsLoGRASteps), record_low_rank=lowrank,
-                            after_backward=lambda: phases.lap("forward_backward"))
+                            after_backward=lambda: phases.lap("forward_backward"),
+                            draw_at=None if draw is None else draw.in_micro_batch)
         if update is None:
             self._count_empty_update(passes)
             return None
+        if draw is not None:
+            phases.move(draw.forward_seconds, "forward_backward", "step_kl")
         if lowrank:
             self._low_rank_updates.append(step_low_rank_updates(update.report, self.trainer.strategy))
         scheduler = self.lr_schedulers()

@@ -19,7 +19,7 @@ from lightning_logra.core.probe import ProbeBatch
 from lightning_logra.core.reliability import memory_phase
 from lightning_logra.rl.collectives import global_counts, max_over_ranks
 from lightning_logra.rl.config import LossConfig
-from lightning_logra.rl.logprobs import packed_sequence_logprobs, sequence_logprobs
+from lightning_logra.rl.logprobs import ForwardDraw, packed_sequence_logprobs, sequence_logprobs
 from lightning_logra.rl.losses import micro_batch_loss, normalised_per_token
 from lightning_logra.rl.metrics import PassTotals
 from lightning_logra.rl.packing import row_micro_batches, token_micro_batches
@@ -99,11 +99,13 @@ class MicroBatching:
         return token_micro_batches(attention_mask, rows, self.micro_batch_tokens)
 
     def logprobs(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 return_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """One micro-batch's ``B x (T-1)`` log-probs: packed with ``micro_batch_tokens``, else padded."""
+                 return_entropy: bool = False,
+                 draw: ForwardDraw | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch's ``B x (T-1)`` log-probs: packed with ``micro_batch_tokens``, else
+        padded (``draw``: fresh tokens drawn in the same forward)."""
         compute = sequence_logprobs if self.micro_batch_tokens is None else packed_sequence_logprobs
         return compute(model, input_ids, attention_mask, temperature=self.temperature, chunk_size=self.chunk_size,
-                       return_entropy=return_entropy)
+                       return_entropy=return_entropy, draw=draw)
 
 
 def batch_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -129,11 +131,14 @@ def backward_micro_batches(
     backward: Callable[[torch.Tensor], None],
     passes: PassTotals,
     world: int = 1,
+    draw_at: Callable[[torch.Tensor], ForwardDraw | None] | None = None,
 ) -> torch.Tensor | None:
     """Forward and ``backward`` every micro-batch of ``rows``, each loss weighted so that the
     sum over micro-batches and ``world`` ranks is the update-wide mean; add each pass to
-    ``passes``. Returns the rows' detached trainer log-probs, or None (and runs nothing)
-    when no rank has a token to train on there."""
+    ``passes``. ``draw_at(part)``, given a micro-batch's row indices, may return tokens to
+    draw in its forward (``policy/step_kl``'s, from the policy before the step). Returns the
+    rows' detached trainer log-probs, or None (and runs nothing) when no rank has a token to
+    train on there."""
     mask = batch.mask
     totals = global_counts(mask[rows])
     if totals[2] == 0:
@@ -143,8 +148,10 @@ def backward_micro_batches(
     trained = torch.zeros(rows.stop - rows.start, input_ids.shape[1] - 1, device=input_ids.device)
     for index in range(max_over_ranks(len(parts), input_ids.device)):
         part = parts[min(index, len(parts) - 1)]
+        draw = draw_at(part) if draw_at is not None and index < len(parts) else None
         with memory_phase("backward", BACKWARD_HINT):
-            logprobs, entropy = settings.logprobs(policy, input_ids[part], attention_mask[part], return_entropy=True)
+            logprobs, entropy = settings.logprobs(policy, input_ids[part], attention_mask[part], return_entropy=True,
+                                                  draw=draw)
         if index >= len(parts) or not mask[part].any():
             # Nothing to train on here (this rank's micro-batches ran out, or every completion
             # is masked) while other micro-batches (ranks) train: a zero loss keeps this

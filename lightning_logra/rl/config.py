@@ -244,8 +244,8 @@ class LoggingConfig:
     """Measure how far every optimizer step moved the policy, for any method (dense, LoRA,
     LoGRA): ``policy/step_kl``, KL(before || after) averaged over the update's trained
     positions (what LoGRA's budget bounds), estimated on ``step_kl_rows`` rows by k3 at
-    tokens freshly drawn from the pre-step policy (``rl.step_kl``); one no-grad forward over
-    those rows before the step and one after."""
+    tokens freshly drawn from the pre-step policy in the training forward (``rl.step_kl``),
+    scored again by one no-grad forward over those rows after the step."""
     step_kl_rows: int = 4
     """Rows per update (per rank) ``policy/step_kl`` is measured on, drawn stratified by
     advantage; 0: every row (exact up to the token draws, a forward over the whole batch)."""

@@ -6,6 +6,9 @@ head in chunks of positions and checkpoints each chunk, so at most one chunk of 
 exists at a time, in forward and in backward (which recomputes the chunk's logits).
 """
 
+import time
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -72,6 +75,38 @@ def _chunk_logprobs(hidden, weight, bias, targets, temperature, with_entropy):
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
 
+@dataclass
+class ForwardDraw:
+    """Fresh tokens to draw in a forward that computes log-probs anyway (the training
+    forward, so that ``policy/step_kl`` needs no forward of its own before the step): at
+    every position of the micro-batch's rows ``rows``, ``tokens.shape[-1]`` tokens drawn
+    with replacement by ``generator`` from the next-token distribution at the forward's
+    temperature, and their log-probs, without a gradient. They are written to
+    ``tokens[slots[i]]`` / ``logprobs[slots[i]]`` for ``rows[i]`` (``slots x (T-1) x
+    samples``; a packed forward leaves positions without a next real token untouched);
+    ``seconds`` adds up the wall clock spent drawing."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    generator: torch.Generator
+    seconds: float = 0.0
+
+    def fill(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slots: torch.Tensor,
+             columns: torch.Tensor, temperature: float, chunk_size: int) -> None:
+        """Draw at the positions whose hidden states are ``hidden`` (``N x H``), position i
+        being column ``columns[i]`` of the row drawn into slot ``slots[i]``."""
+        started = time.perf_counter()
+        with torch.no_grad():
+            tokens, logprobs = _drawn_tokens(hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
+                                             samples=self.tokens.shape[-1], generator=self.generator,
+                                             temperature=temperature, chunk_size=chunk_size)
+            self.tokens[slots, columns] = tokens
+            self.logprobs[slots, columns] = logprobs
+        self.seconds += time.perf_counter() - started
+
+
 def sequence_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -80,15 +115,23 @@ def sequence_logprobs(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     return_entropy: bool = False,
+    draw: ForwardDraw | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of each next token of a Hugging Face causal LM: ``out[:, t] = log p(ids[:, t+1] | ids[:, :t+1])``.
 
     Returns float32 ``B x (T-1)`` (and the entropies with ``return_entropy``). Position ids
     follow the attention mask, as in ``generate``, so left-padded rows score exactly as
-    they were sampled. Values at padding positions are meaningless: mask them.
+    they were sampled. Values at padding positions are meaningless: mask them. ``draw``
+    also draws fresh tokens at its rows' positions (``ForwardDraw``).
     """
     _check_rows(input_ids, attention_mask)
     head = _token_logprobs_head(input_ids[:, 1:], temperature, chunk_size, return_entropy)
+    if draw is not None:
+        length = input_ids.shape[1] - 1
+        slots = draw.slots.repeat_interleave(length)
+        columns = torch.arange(length, device=input_ids.device).repeat(len(draw.rows))
+        head = _drawing_head(head, draw, lambda hidden: hidden[draw.rows].flatten(0, 1), slots, columns,
+                             temperature, chunk_size)
     scores = _head_in_forward(model, _padded_inputs(input_ids, attention_mask), None, head)
     return (scores[..., 0], scores[..., 1]) if return_entropy else scores
 
@@ -101,9 +144,11 @@ def packed_sequence_logprobs(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     return_entropy: bool = False,
+    draw: ForwardDraw | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``sequence_logprobs`` of the same padded rows, computed as one packed row of their
-    real tokens: no padding position runs through the model or its head.
+    real tokens: no padding position runs through the model or its head (nor draws, with
+    ``draw``).
 
     The rows' real tokens (contiguous in each row) are laid end to end with position ids
     restarting at 0 per sequence and no attention mask, from which transformers derives
@@ -128,9 +173,15 @@ def packed_sequence_logprobs(
     scored = ((columns + 1 < real.shape[1]) & real[rows, next_column])[:-1]
     inputs = {"input_ids": packed_ids, "position_ids": position_ids}
     head = _token_logprobs_head(packed_ids[0, 1:][scored], temperature, chunk_size, return_entropy)
+    where = (rows[:-1][scored], columns[:-1][scored])
+    if draw is not None:
+        slot_of_row = torch.full((input_ids.shape[0],), -1, dtype=torch.long, device=input_ids.device)
+        slot_of_row[draw.rows] = draw.slots
+        drawn = slot_of_row[where[0]] >= 0
+        head = _drawing_head(head, draw, lambda hidden: hidden[drawn], slot_of_row[where[0]][drawn], where[1][drawn],
+                             temperature, chunk_size)
     scores = _head_in_forward(model, inputs, scored, head)
     values = (scores[..., 0], scores[..., 1]) if return_entropy else scores
-    where = (rows[:-1][scored], columns[:-1][scored])
 
     def padded(packed: torch.Tensor) -> torch.Tensor:
         return packed.new_zeros(input_ids.shape[0], input_ids.shape[1] - 1).index_put(where, packed)
@@ -159,17 +210,29 @@ def sampled_token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_
     tokens = []  # the draws, beside the model output that carries their log-probs
 
     def draw(hidden, weight, bias):
-        logprobs = []
-        for start in range(0, hidden.shape[0], chunk_size):
-            log_p = _chunk_log_softmax(hidden[start : start + chunk_size], weight, bias, temperature)
-            drawn = torch.multinomial(log_p.exp(), samples, replacement=True, generator=generator)
-            tokens.append(drawn)
-            logprobs.append(log_p.gather(-1, drawn))
-        return torch.cat(logprobs)
+        drawn, logprobs = _drawn_tokens(hidden, weight, bias, samples=samples, generator=generator,
+                                        temperature=temperature, chunk_size=chunk_size)
+        tokens.append(drawn)
+        return logprobs
 
     with torch.no_grad():
         logprobs = _head_in_forward(model, _padded_inputs(input_ids, attention_mask), None, _flat_head(draw))
-    return torch.cat(tokens).view(logprobs.shape), logprobs
+    return tokens[0].view(logprobs.shape), logprobs
+
+
+def _drawn_tokens(hidden, weight, bias, *, samples, generator, temperature, chunk_size):
+    """``samples`` tokens per row of ``hidden`` (``N x H``) drawn from the head's distribution,
+    a chunk of positions at a time, and their log-probs: two ``N x samples`` tensors."""
+    tokens, logprobs = [], []
+    for start in range(0, hidden.shape[0], chunk_size):
+        log_p = _chunk_log_softmax(hidden[start : start + chunk_size], weight, bias, temperature)
+        drawn = torch.multinomial(log_p.exp(), samples, replacement=True, generator=generator)
+        tokens.append(drawn)
+        logprobs.append(log_p.gather(-1, drawn))
+    if not tokens:
+        empty = hidden.new_zeros(0, samples)
+        return empty.long(), empty.float()
+    return torch.cat(tokens), torch.cat(logprobs)
 
 
 def logprobs_of(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, tokens: torch.Tensor, *,
@@ -207,6 +270,16 @@ def _flat_head(compute):
         return values.reshape(*hidden.shape[:-1], *values.shape[1:])
 
     return head
+
+
+def _drawing_head(head, draw, select, slots, columns, temperature, chunk_size):
+    """``head``, after ``draw`` has drawn at the hidden states ``select(hidden)`` picks."""
+
+    def drawing(hidden, weight, bias):
+        draw.fill(select(hidden), weight, bias, slots, columns, temperature, chunk_size)
+        return head(hidden, weight, bias)
+
+    return drawing
 
 
 def _token_logprobs_head(targets, temperature, chunk_size, return_entropy):

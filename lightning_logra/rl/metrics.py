@@ -25,6 +25,12 @@ class PhaseClock:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + (now - self._last)
         self._last = now
 
+    def move(self, seconds: float, source: str, target: str) -> None:
+        """Count ``seconds`` of a timed ``source`` phase as ``target``'s (work of one phase
+        done inside another's, e.g. ``policy/step_kl``'s draws in the training forward)."""
+        self.seconds[source] -= seconds
+        self.seconds[target] = self.seconds.get(target, 0.0) + seconds
+
 
 @dataclass
 class PassTotals:

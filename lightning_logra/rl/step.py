@@ -23,6 +23,7 @@ from lightning_logra.core.report import StepReport
 from lightning_logra.core.step_inputs import LoGRAStepInputs
 from lightning_logra.rl.batch import MicroBatching, RolloutBatch, backward_micro_batches
 from lightning_logra.rl.config import OptimizerConfig, lr_factor
+from lightning_logra.rl.logprobs import ForwardDraw
 from lightning_logra.rl.metrics import PassTotals
 
 RANGES = {"forward_backward": "rl.forward_backward", "optimizer_step": "rl.optimizer_step"}
@@ -74,15 +75,18 @@ def logra_step_inputs(batch: RolloutBatch, rows: slice, trainer_logprobs: torch.
 def run_update(policy: torch.nn.Module, optimizer, batch: RolloutBatch, rows: slice, settings: MicroBatching, *,
                backward: Callable[[torch.Tensor], None], passes: PassTotals, num_generations: int, logra: bool,
                world: int = 1, record_low_rank: bool = False,
-               after_backward: Callable[[], None] = lambda: None) -> Update | None:
-    """One optimizer step on ``rows``: zero the gradients, ``backward_micro_batches``, call
-    ``after_backward()``, then ``optimizer.step()``; with ``logra``,
+               after_backward: Callable[[], None] = lambda: None,
+               draw_at: Callable[[torch.Tensor], ForwardDraw | None] | None = None) -> Update | None:
+    """One optimizer step on ``rows``: zero the gradients, ``backward_micro_batches`` (with
+    ``draw_at``: tokens drawn in its forwards), call ``after_backward()``, then
+    ``optimizer.step()``; with ``logra``,
     ``optimizer.step(logra_inputs=logra_step_inputs(...))`` (a ``LoGRAOptimizer``, or
     Lightning's optimizer under ``logra_fsdp``), whose report is returned. None, with nothing
     stepped, when no rank has a token to train on in ``rows``."""
     optimizer.zero_grad()
     with record_function(RANGES["forward_backward"]):
-        trained = backward_micro_batches(policy, batch, rows, settings, backward=backward, passes=passes, world=world)
+        trained = backward_micro_batches(policy, batch, rows, settings, backward=backward, passes=passes, world=world,
+                                         draw_at=draw_at)
     if trained is None:
         return None
     after_backward()

@@ -3,21 +3,23 @@
 
 The quantity is the one LoGRA's KL budget bounds: the mean, over every trained position of
 the update's rows, of KL(before || after) between the position's next-token distributions.
-Before the step, ``draw_tokens`` picks rows stratified by advantage (the stratified
-probe's rule, ``stratified_rows``: a step's KL sits mostly in a few rows of rare outcomes)
-and draws ``SAMPLES`` tokens at each of their trained positions from the pre-step policy;
-after it, ``k3_sums`` scores those tokens again. k3 of their log-prob ratio is
-unbiased for each position's KL because the tokens are fresh: k3 at the tokens the update
-was trained on, which it raised or lowered on purpose, over-stated the KL 1.5-5x on the
-quickstart (``benchmarks/results/step_kl_rows.md``). Two no-grad forwards over the drawn
-rows; with ``count=0`` every row is drawn (each stands for itself) and the estimate's only
-noise is the token draws'. The same two functions measure KL(policy || initial policy) on
-validation samples: tokens drawn from the policy, scored by the frozen initial weights.
+Before the step, ``plan_draw`` picks rows stratified by advantage (the stratified probe's
+rule, ``stratified_rows``: a step's KL sits mostly in a few rows of rare outcomes), and the
+training forward itself draws ``SAMPLES`` tokens at each of their trained positions from the
+pre-step policy (``TokenDraw.in_micro_batch``); after the step, ``k3_sums`` scores those
+tokens again. k3 of their log-prob ratio is unbiased for each position's KL because the
+tokens are fresh: k3 at the tokens the update was trained on, which it raised or lowered on
+purpose, over-stated the KL 1.5-5x on the quickstart (``benchmarks/results/step_kl_rows.md``).
+One no-grad forward over the drawn rows, after the step (drawing in the training forward
+saves the second, about half the measurement's cost); with ``count=0`` every row is drawn
+(each stands for itself) and the estimate's only noise is the token draws'. The same
+functions measure KL(policy || initial policy) on validation samples: tokens drawn from the
+policy in a forward of their own (``draw_tokens``), scored by the frozen initial weights.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -27,31 +29,47 @@ from lightning_logra.core.reliability import memory_phase
 from lightning_logra.core.reshard import reshard
 from lightning_logra.rl.batch import BACKWARD_HINT, MicroBatching, RolloutBatch
 from lightning_logra.rl.collectives import max_over_ranks
-from lightning_logra.rl.logprobs import logprobs_of, sampled_token_logprobs
+from lightning_logra.rl.logprobs import ForwardDraw, logprobs_of, sampled_token_logprobs
 from lightning_logra.rl.kl_estimators import k3
 from lightning_logra.rollout.base import Rollouts
 
 SAMPLES = 4  # fresh tokens per position: the token draws' share of the error (see the metrics guide)
 
 
-@dataclass(frozen=True)
+@dataclass
 class TokenDraw:
     """The rows (indices into the batch), their weights (positions each trained position
     stands for), and per trained position ``SAMPLES`` tokens drawn from the model that drew
-    them with their log-probs under it (``len(rows) x (T-1) x SAMPLES``)."""
+    them with their log-probs under it (``len(rows) x (T-1) x SAMPLES``), drawn by
+    ``generator``. ``forward_draws``: the training forwards' parts of the drawing."""
 
     rows: torch.Tensor
     weights: torch.Tensor
     tokens: torch.Tensor
     logprobs: torch.Tensor
+    generator: torch.Generator
+    forward_draws: list[ForwardDraw] = field(default_factory=list)
+
+    def in_micro_batch(self, part: torch.Tensor) -> ForwardDraw | None:
+        """What the forward of the micro-batch of batch rows ``part`` draws: tokens at the
+        drawn rows among them (``backward_micro_batches``' ``draw_at``); None if there are none."""
+        local, slots = (part[:, None] == self.rows[None, :]).nonzero(as_tuple=True)
+        if len(local) == 0:
+            return None
+        draw = ForwardDraw(local, slots, self.tokens, self.logprobs, self.generator)
+        self.forward_draws.append(draw)
+        return draw
+
+    @property
+    def forward_seconds(self) -> float:
+        """Wall clock the training forwards spent drawing (``policy/step_kl``'s, not training's)."""
+        return sum(draw.seconds for draw in self.forward_draws)
 
 
-def draw_tokens(policy: nn.Module, batch: RolloutBatch, rows: slice, settings: MicroBatching, *,
-                count: int, generator: torch.Generator) -> TokenDraw:
-    """``count`` rows of ``rows`` stratified by advantage (every row when 0), and tokens drawn
-    from ``policy`` at their trained positions (``batch.mask``); ``generator`` (on the
-    policy's device) draws the tokens, and seeds the rows' draw on the CPU. Every rank must
-    call it."""
+def plan_draw(batch: RolloutBatch, rows: slice, *, count: int, generator: torch.Generator) -> TokenDraw:
+    """``count`` rows of ``rows`` stratified by advantage (every row with a trained position
+    when 0), with room for their tokens; ``generator`` (on the batch's device) will draw the
+    tokens, and its seed draws the rows here, on the CPU."""
     mask = batch.mask[rows]
     positions = mask.sum(dim=1)
     if count == 0:
@@ -63,15 +81,23 @@ def draw_tokens(policy: nn.Module, batch: RolloutBatch, rows: slice, settings: M
     device = mask.device
     picked = torch.tensor(chosen, dtype=torch.long, device=device) + rows.start
     tokens = torch.zeros(len(chosen), mask.shape[1], SAMPLES, dtype=torch.long, device=device)
-    logprobs = torch.zeros(tokens.shape, device=device)
-    draw = TokenDraw(picked, torch.tensor(weights, dtype=torch.float64, device=device), tokens, logprobs)
+    return TokenDraw(picked, torch.tensor(weights, dtype=torch.float64, device=device), tokens,
+                     torch.zeros(tokens.shape, device=device), generator)
+
+
+def draw_tokens(policy: nn.Module, batch: RolloutBatch, rows: slice, settings: MicroBatching, *,
+                count: int, generator: torch.Generator) -> TokenDraw:
+    """``plan_draw``'s rows, and their tokens drawn from ``policy`` in no-grad forwards of
+    their own (where no training forward runs, e.g. on validation samples). Every rank must
+    call it."""
+    draw = plan_draw(batch, rows, count=count, generator=generator)
     for part, (input_ids, attention_mask, _) in _forwards(batch, draw, settings.micro_batch_size):
         with memory_phase("backward", BACKWARD_HINT):
             drawn, drawn_logprobs = sampled_token_logprobs(policy, input_ids, attention_mask, samples=SAMPLES,
                                                            generator=generator, temperature=settings.temperature,
                                                            chunk_size=settings.chunk_size)
         if part is not None:
-            tokens[part], logprobs[part] = drawn, drawn_logprobs
+            draw.tokens[part], draw.logprobs[part] = drawn, drawn_logprobs
     return draw
 
 

@@ -6,9 +6,10 @@ import torch
 
 from lightning_logra.core.config import LoGRAConfig
 from lightning_logra.core.optimizer import LoGRAOptimizer
+from lightning_logra.rl.batch import backward_micro_batches
 from lightning_logra.rl.metrics import PassTotals
 from lightning_logra.rl.step import run_update
-from lightning_logra.rl.step_kl import SAMPLES, completion_kl, draw_tokens, k3_sums
+from lightning_logra.rl.step_kl import SAMPLES, completion_kl, draw_tokens, k3_sums, plan_draw
 from tests.helpers.models import tiny_qwen2
 from tests.helpers.rollouts import micro_batching, rollout_batch
 
@@ -26,14 +27,19 @@ def rare_success_batch(seed: int):
     return batch
 
 
-def exact_log_softmax(model, batch) -> torch.Tensor:
-    """float64 log-softmax at every trained position of the batch (positions x vocabulary)."""
+def full_log_softmax(model, batch) -> torch.Tensor:
+    """float64 log-softmax at every position of the batch (B x (T-1) x vocabulary)."""
     rollouts = batch.rollouts
     positions = (rollouts.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         logits = model(input_ids=rollouts.input_ids, attention_mask=rollouts.attention_mask,
                        position_ids=positions).logits[:, :-1]
-    return torch.log_softmax(logits.double() / micro_batching().temperature, dim=-1)[batch.mask]
+    return torch.log_softmax(logits.double() / micro_batching().temperature, dim=-1)
+
+
+def exact_log_softmax(model, batch) -> torch.Tensor:
+    """float64 log-softmax at every trained position of the batch (positions x vocabulary)."""
+    return full_log_softmax(model, batch)[batch.mask]
 
 
 def exact_step_kl(before: torch.Tensor, after: torch.Tensor) -> float:
@@ -96,6 +102,38 @@ def test_the_estimate_is_k3_of_tokens_drawn_from_the_policy_before_the_step():
     torch.testing.assert_close(k3_sum, want, rtol=1e-4, atol=1e-7)
     # And the draws follow the pre-step policy: the drawn tokens' log-probs are its own.
     torch.testing.assert_close(draw.logprobs[batch.mask[draw.rows]].double(), before.gather(-1, tokens), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("settings", [micro_batching(size=3), micro_batching(tokens=24)], ids=["padded", "packed"])
+def test_the_training_forward_draws_from_the_pre_step_policy_and_trains_exactly_as_without(settings):
+    batch = rare_success_batch(4)
+
+    def train(draw_at):
+        model = tiny_qwen2().train()
+        trained = backward_micro_batches(model, batch, ROWS, settings, backward=torch.Tensor.backward,
+                                         passes=PassTotals.zeros(torch.device("cpu")), draw_at=draw_at)
+        return model, trained, [parameter.grad for parameter in model.parameters()]
+
+    _, plain, plain_gradients = train(None)
+    draw = plan_draw(batch, ROWS, count=4, generator=torch.Generator().manual_seed(5))
+    model, trained, gradients = train(draw.in_micro_batch)
+    # The draws take no gradient and a generator of their own: training is bit for bit the same.
+    assert torch.equal(trained, plain)
+    assert all(torch.equal(a, b) for a, b in zip(gradients, plain_gradients))
+    # Every drawn row was drawn once, in the forward of its micro-batch ...
+    slots = torch.cat([part.slots for part in draw.forward_draws]).sort().values
+    assert torch.equal(slots, torch.arange(len(draw.rows))) and draw.forward_seconds > 0
+    # ... from the policy before any step: the drawn tokens' log-probs are its own (float32
+    # head in chunks against float64 over the whole vocabulary: ~1e-6).
+    trained_positions = batch.mask[draw.rows]
+    tokens = draw.tokens[trained_positions]
+    before = full_log_softmax(model, batch)[draw.rows][trained_positions].gather(-1, tokens)
+    torch.testing.assert_close(draw.logprobs[trained_positions].double(), before, rtol=0, atol=1e-5)
+    # Nothing stepped: k3 after is the round-off between two forwards of other shapes, and
+    # the rows' weights stand for every trained position of the batch.
+    k3_sum, positions = k3_sums(model, batch, draw, settings)
+    assert 0 <= k3_sum.item() < 1e-9
+    assert positions.item() == pytest.approx(batch.mask.sum().item(), rel=1e-12)
 
 
 def test_its_mean_over_draws_is_the_exact_kl_of_the_step():
