@@ -90,11 +90,15 @@ def summarise(run: dict) -> dict:
     summary = {"steps": len(steps), "median_step_kl": statistics.median(history["policy/step_kl"][s] for s in steps),
                "measure_share": statistics.median(history["perf/step_kl_s"][s] / step_seconds[s] for s in timed)}
     if "logra/budget" in history:
-        # Steps whose update had something to train on (a budget was set).
-        ratios = [history["policy/step_kl"][s] / history["logra/budget"][s] for s in steps if s in history["logra/budget"]]
+        # Steps whose update moved the policy: a step whose advantages are all 0 (every
+        # sample of every prompt scored alike) has nothing to train on, predicts 0 and moves
+        # nothing, so no budget bounds it.
+        moved = [s for s in steps if history["logra/predicted_kl_scaled"].get(s, 0.0) > 0]
+        ratios = [history["policy/step_kl"][s] / history["logra/budget"][s] for s in moved]
         summary.update(ratios=ratios, inside=sum(BAND[0] <= r <= BAND[1] for r in ratios) / len(ratios),
-                       median_ratio=statistics.median(ratios),
-                       probe_share=statistics.median(history["perf/logra_probe_s"][s] / step_seconds[s] for s in timed))
+                       median_ratio=statistics.median(ratios), still=len(steps) - len(moved),
+                       probe_share=statistics.median(history["perf/logra_probe_s"][s] / step_seconds[s]
+                                                     for s in moved if s in timed))
     return summary
 
 
@@ -102,7 +106,8 @@ def summary_line(name: str, summary: dict) -> str:
     line = f"{name}: measuring step KL {100 * summary['measure_share']:.1f}% of a step"
     if "ratios" in summary:
         line += (f"; step KL / budget median {summary['median_ratio']:.2f}, {100 * summary['inside']:.0f}% of "
-                 f"{len(summary['ratios'])} steps in [{BAND[0]}, {BAND[1]}]; probe {100 * summary['probe_share']:.1f}%")
+                 f"{len(summary['ratios'])} steps that moved in [{BAND[0]}, {BAND[1]}] ({summary['still']} had nothing "
+                 f"to train on); probe {100 * summary['probe_share']:.1f}%")
     return line
 
 
@@ -111,17 +116,20 @@ def render(result: dict) -> str:
              "`policy/step_kl`: KL(before || after) over every trained position of the update, estimated by k3 at "
              "4 tokens per position drawn from the pre-step policy; on every row (`step_kl_rows: 0`) in the "
              "probe comparisons, on 4 stratified rows (the default) in the cost rows.", "",
-             "| run | median step KL | step KL / budget, per step | median | steps in [0.67, 1.5] | "
-             "probe: share of a step | measuring step KL: share of a step |", "|---|---:|---|---:|---:|---:|---:|"]
+             "A step whose advantages are all 0 (every sample of each prompt scored alike) trains on nothing and "
+             "moves nothing: it is left out of the ratios and counted in the last column.", "",
+             "| run | median step KL | step KL / budget, per step that moved | median | steps in [0.67, 1.5] | "
+             "probe: share of a step | measuring step KL: share of a step | steps with nothing to train on |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
     for name, run in result["runs"].items():
         s = summarise(run)
         if "ratios" in s:
             ratios = " ".join(f"{r:.2f}" for r in s["ratios"])
             lines.append(f"| {name} | {s['median_step_kl']:.2e} | {ratios} | {s['median_ratio']:.2f} | {100 * s['inside']:.0f}% "
                          f"({sum(BAND[0] <= r <= BAND[1] for r in s['ratios'])}/{len(s['ratios'])}) | "
-                         f"{100 * s['probe_share']:.1f}% | {100 * s['measure_share']:.1f}% |")
+                         f"{100 * s['probe_share']:.1f}% | {100 * s['measure_share']:.1f}% | {s['still']} |")
         else:
-            lines.append(f"| {name} | {s['median_step_kl']:.2e} | - | - | - | - | {100 * s['measure_share']:.1f}% |")
+            lines.append(f"| {name} | {s['median_step_kl']:.2e} | - | - | - | - | {100 * s['measure_share']:.1f}% | - |")
     lines += ["", f"Targets: at least {100 * INSIDE_TARGET:.0f}% of steps in [{BAND[0]}, {BAND[1]}], the probe at most "
                   f"{100 * PROBE_LIMIT:.0f}% of a step, the default measurement at most {100 * MEASURE_LIMIT:.0f}% "
                   "(times: medians over steps 1+; a step is the sum of its phases, the measurement's own left out).",
@@ -144,7 +152,7 @@ def plot(result: dict, path: Path) -> None:
         axis.plot(range(len(ratios)), ratios, styles[probe], marker="o", color=colours[task], label=name)
     axis.axhspan(*BAND, color="0.9", label="target band")
     axis.axhline(1.0, color="0.5", linewidth=0.8)
-    axis.set(xlabel="update", ylabel="policy/step_kl / budget (every row)")
+    axis.set(xlabel="update (those that moved)", ylabel="policy/step_kl / budget (every row)")
     axis.legend(fontsize=8)
     save_figure(figure, path, f"LoGRA, 4 prompts x 8 samples - {cpu_caption(result['machine'])}, {result['command']}")
 
