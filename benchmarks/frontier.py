@@ -27,7 +27,8 @@ step-KL scalar per method). Fixed before measuring, in ``frontier_protocol``:
    (nothing else running), so that sweep runs may run two at a time (``--jobs 2``, one
    thread each) without their wall clocks entering the result.
 6. **Long runs** (``--long``): each method at its chosen step size (best mean final pass@1
-   over the seeds on ``addition``), seed 0, 300 steps, validation every 50.
+   on ``addition`` over the seeds with all its sweep runs), seed 0, 300 steps, validation
+   every 50.
 
 It runs in parts and resumes: every invocation adds the runs it is asked for to
 ``frontier.json``, skipping those already there, saves after each, records its command and
@@ -59,7 +60,7 @@ from .harness import (argument_parser, check_smoke_out, code_version, command_li
 from .frontier_protocol import (LONG_SEED, LONG_STEPS, LONG_VAL_EVERY, METHODS, SEEDS, STEPS, SWEEPS, TASKS,
                                 TIMING_STEPS, VAL_EVERY, VAL_SAMPLES, chosen_value, config_of, method_overrides,
                                 setting)
-from .frontier_report import plot, render
+from .frontier_report import method_seeds, plot, render
 from .quality_matched import digest
 
 SMOKE = {"steps": 2, "val_every": 1, "val_size": 4, "long_steps": 2, "long_val_every": 2, "timing_steps": 3}
@@ -238,9 +239,11 @@ def main() -> None:
             continue
         protocol.untrained(runner, seeds)
         if args.long:
-            chosen = {m: (SWEEPS[m][1] if args.smoke else chosen_value(result, "addition", m)) for m in args.methods}
+            # Chosen on the seeds with every sweep run of the method, as the report draws its frontier.
+            chosen = {m: (SWEEPS[m][1] if args.smoke else chosen_value(result, "addition", m, method_seeds(result, "addition", m)))
+                      for m in args.methods}
             if None in chosen.values():
-                parser.error(f"--long needs every sweep run of addition first; missing for "
+                parser.error(f"--long needs a seed with every sweep run of addition first; missing for "
                              f"{[m for m, v in chosen.items() if v is None]}")
             protocol.train(runner, [(m, chosen[m], LONG_SEED) for m in args.methods], "long")
             continue

@@ -127,7 +127,7 @@ def frontier_point(result: dict, task: str, method: str, level: float, seeds=SEE
 
 def chosen_value(result: dict, task: str, method: str, seeds=SEEDS) -> float | None:
     """The step size of the method's long run: the highest final validation pass@1, mean over
-    the seeds (the smaller step size on a tie); None until every point has every seed."""
+    ``seeds`` (the smaller step size on a tie); None until every point has every one of them."""
     means = {}
     for value in SWEEPS[method]:
         runs = runs_of(result, task, method, value)

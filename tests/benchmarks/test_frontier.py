@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from benchmarks import frontier_protocol as fp
-from benchmarks.frontier_report import render, summarise
+from benchmarks.frontier_report import method_seeds, render, summarise
 from benchmarks.paired_stats import bootstrap_interval, crossed_bootstrap_interval, seed_mean, t_interval
 
 
@@ -64,6 +64,9 @@ def test_the_frontier_takes_the_best_step_size_that_reaches_the_level():
     assert point["value"] == dense_large and point["pass_at_1"] == pytest.approx(0.5)
     assert fp.frontier_point(result, "addition", "dense", 0.5, seeds=(0, 1)) is None
     assert fp.chosen_value(result, "addition", "dense", seeds=(0, 1)) == dense_small
+    # The long runs choose on the seeds that have every sweep run (here 2 of the protocol's 5).
+    assert fp.chosen_value(result, "addition", "dense") is None
+    assert method_seeds(result, "addition", "dense") == [0, 1]
 
 
 def test_the_report_states_the_gain_ratio_verdict_at_each_reached_level():
