@@ -240,8 +240,8 @@ def main() -> None:
         protocol.untrained(runner, seeds)
         if args.long:
             # Chosen on the seeds with every sweep run of the method, as the report draws its frontier.
-            chosen = {m: (SWEEPS[m][1] if args.smoke else chosen_value(result, "addition", m, method_seeds(result, "addition", m)))
-                      for m in args.methods}
+            chosen = {m: SWEEPS[m][1] if args.smoke else
+                      chosen_value(result, "addition", m, method_seeds(result, "addition", m)) for m in args.methods}
             if None in chosen.values():
                 parser.error(f"--long needs a seed with every sweep run of addition first; missing for "
                              f"{[m for m, v in chosen.items() if v is None]}")

@@ -34,12 +34,12 @@ from pathlib import Path
 from .cli_runs import fresh_work, metric_history, mlflow_environment, run_logra
 from .harness import (argument_parser, code_line, code_version, command_line, cpu_caption, load_json, machine_info, machine_line,
                       pyplot, save_figure, save_json, write_outputs)
+from .frontier_protocol import TASKS
 from .phases import PHASES
 
 LOGRA = "--trainer.strategy.init_args.logra"
 EVERY_ROW = "--model.init_args.logging.step_kl_rows=0"
-# Part 2's held-out task (two-digit sums, frontier_protocol's "addition"), same budget.
-ADDITION = ["--data.init_args.train=arithmetic:2+", "--data.init_args.val=arithmetic:2+", "--data.init_args.train_size=512"]
+ADDITION = TASKS["addition"]["overrides"]  # part 2's held-out task, as the frontier trains it; the same budget
 RUNS = {
     "quickstart/reference": ("configs/quickstart.yaml", [f"{LOGRA}.kl_probe=reference", EVERY_ROW]),
     "quickstart/stratified": ("configs/quickstart.yaml", [EVERY_ROW]),

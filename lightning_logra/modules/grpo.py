@@ -308,7 +308,8 @@ class GRPOModule(RolloutSampling, PassAtNValidation, L.LightningModule):
             self._async is not None and isinstance(self.trainer.strategy, ReportsLoGRASteps))
         draw = None
         if self.logging.step_kl:  # its tokens are drawn in the training forward, from the pre-step policy
-            draw = plan_draw(batch, rows, count=self.logging.step_kl_rows, generator=self._step_kl_generator(passes.updates))
+            draw = plan_draw(batch, rows, count=self.logging.step_kl_rows,
+                             generator=self._step_kl_generator(passes.updates))
         update = run_update(self.policy, self.optimizers(), batch, rows, self._micro_batching,
                             backward=self.manual_backward, passes=passes, world=self.trainer.world_size,
                             num_generations=self.rollout_config.num_generations,

@@ -99,9 +99,8 @@ class ForwardDraw:
         being column ``columns[i]`` of the row drawn into slot ``slots[i]``."""
         started = time.perf_counter()
         with torch.no_grad():
-            tokens, logprobs = _drawn_tokens(hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
-                                             samples=self.tokens.shape[-1], generator=self.generator,
-                                             temperature=temperature, chunk_size=chunk_size)
+            tokens, logprobs = _drawn_tokens(hidden, weight, bias, samples=self.tokens.shape[-1],
+                                             generator=self.generator, temperature=temperature, chunk_size=chunk_size)
             self.tokens[slots, columns] = tokens
             self.logprobs[slots, columns] = logprobs
         self.seconds += time.perf_counter() - started
