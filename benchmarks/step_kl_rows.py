@@ -24,7 +24,8 @@ import statistics
 
 import torch
 
-from lightning_logra.core.probe_batch import stratified_rows
+from lightning_logra.core.config import LoGRAConfig
+from lightning_logra.core.probe_batch import share_weighted_rows, stratified_rows
 from lightning_logra.modules import GRPOModule
 from lightning_logra.rl.kl_estimators import k3
 
@@ -110,7 +111,8 @@ def measure(config: str, name: str, steps: int | None, overrides: list[str]) -> 
     arguments += overrides
     print(f"{name}: {config}", flush=True)
     seconds = run_logra(arguments, environment, work / "run.log")
-    return {"config": config, "overrides": overrides, "seconds": seconds,
+    probe = next((value.split("=", 1)[1] for value in overrides if ".kl_probe=" in value), LoGRAConfig().kl_probe)
+    return {"config": config, "overrides": overrides, "seconds": seconds, "kl_probe": probe,
             "updates": [json.loads(line) for line in records.read_text().splitlines()]}
 
 
@@ -132,27 +134,34 @@ def summarise(update: dict) -> dict:
     return summary
 
 
-def drawn_probe_ratios(update: dict, count: int, draws: int = DRAWS) -> list[float]:
-    """The batch's exact step KL over what a probe of ``count`` rows drawn stratified by
-    advantage (``stratified_rows``) would have estimated it at, for ``draws`` seeded draws:
-    with the probe's prediction equal to the exact KL of its rows (it agrees within a few
-    percent), this is step KL / budget had that probe scaled the step."""
+RULES = {"stratified": stratified_rows, "weighted": share_weighted_rows}  # kl_probe -> its rows
+
+
+def drawn_probe_ratios(update: dict, count: int, rule: str = "stratified", draws: int = DRAWS) -> list[float]:
+    """The batch's exact step KL per position over what a probe of ``count`` rows drawn by
+    ``kl_probe: rule`` would have estimated it at (the weighted mean over its rows, as the
+    probe computes it), for ``draws`` seeded draws: with the probe's prediction equal to the
+    exact KL of its rows (it agrees within a few percent), this is step KL / budget had that
+    probe scaled the step."""
     rows = [r for r in update["rows"] if r["positions"]]
     positions = torch.tensor([float(r["positions"]) for r in rows])
     keys = torch.tensor([r["advantage"] for r in rows])
-    total = sum(r["exact_sum"] for r in rows)
+    mean = sum(r["exact_sum"] for r in rows) / sum(r["positions"] for r in rows)
     ratios = []
     for seed in range(draws):
-        chosen, weights = stratified_rows(positions, [r["positions"] for r in rows], keys, count,
-                                          torch.Generator().manual_seed(seed))
-        ratios.append(total / sum(w * rows[c]["exact_sum"] for c, w in zip(chosen, weights)))
+        chosen, weights = RULES[rule](positions, [r["positions"] for r in rows], keys, count,
+                                      torch.Generator().manual_seed(seed))
+        estimate = (sum(w * rows[c]["exact_sum"] for c, w in zip(chosen, weights))
+                    / sum(w * rows[c]["positions"] for c, w in zip(chosen, weights)))
+        ratios.append(mean / estimate)
     return ratios
 
 
 def render(result: dict) -> str:
     lines = ["# The step KL on the batch, row by row", "",
              "Per update: the exact KL(before || after) over every trained position of the batch, against the budget "
-             "and LoGRA's scaled prediction on its probe rows (the authors' probe: the first response of 2 prompts); "
+             "and LoGRA's scaled prediction on the rows its probe scored (the probe the run trained with, named under "
+             "each table); "
              "what k3 at the trained tokens (`policy/step_kl` before issue 41) and k3 at one freshly sampled token "
              "per position report; the exact KL on the first 2, 4 and 8 probe-ordered rows (one per prompt first); "
              "the median row's KL over the batch's.", ""]
@@ -170,18 +179,22 @@ def render(result: dict) -> str:
                 f"{s['exact_probe2']:.1e} / {s['exact_probe4']:.1e} / {s['exact_probe8']:.1e} | "
                 f"{s['row_median_over_mean']:.2f} |")
         inside = sum(BAND[0] <= summarise(u)["exact"] / summarise(u)["budget"] <= BAND[1] for u in updates)
-        lines += ["", f"With the authors' probe, {inside} of {len(updates)} updates moved the batch within "
-                      f"[{BAND[0]}, {BAND[1]}] x the budget. Had a probe of k rows drawn stratified by advantage "
-                      f"scaled these steps ({DRAWS} draws each):", "",
-                  "| k rows | steps within the band | median step KL / budget | 5th-95th percentile |", "|---:|---:|---:|---|"]
+        lines += ["", f"Trained with `kl_probe: {run.get('kl_probe', 'reference')}`, {inside} of {len(updates)} updates "
+                      f"moved the batch within [{BAND[0]}, {BAND[1]}] x the budget. Had a probe of k rows drawn by "
+                      f"`stratified` (strata of equal tokens) or `weighted` (of equal expected KL) scaled these steps "
+                      f"({DRAWS} draws each):", "",
+                  "| k rows | stratified: steps within the band | median step KL / budget | 5th-95th percentile | "
+                  "weighted: steps within the band | median | 5th-95th percentile |", "|---:|---:|---:|---|---:|---:|---|"]
         for count in COUNTS:
-            ratios = sorted(r for u in updates for r in drawn_probe_ratios(u, count))
-            share = sum(BAND[0] <= r <= BAND[1] for r in ratios) / len(ratios)
-            lines.append(f"| {count} | {100 * share:.0f}% | {statistics.median(ratios):.2f} | "
-                         f"{ratios[len(ratios) // 20]:.2f}-{ratios[-(len(ratios) // 20)]:.2f} |")
-        lines.append("")
-    lines.append(f"{machine_line(result['machine'])}; command: `{result['command']}`. {code_line(result['code'])} "
-                 "Both runs trained with the authors' probe: the library at that commit, the recording script uncommitted then.")
+            cells = []
+            for rule in RULES:
+                ratios = sorted(r for u in updates for r in drawn_probe_ratios(u, count, rule))
+                share = sum(BAND[0] <= r <= BAND[1] for r in ratios) / len(ratios)
+                cells.append(f"{100 * share:.0f}% | {statistics.median(ratios):.2f} | "
+                             f"{ratios[len(ratios) // 20]:.2f}-{ratios[-(len(ratios) // 20)]:.2f}")
+            lines.append(f"| {count} | {' | '.join(cells)} |")
+        lines += ["", f"{machine_line(run['machine'])}; command: `{run['command']}`. {code_line(run['code'])}"
+                      f"{run.get('note', '')}", ""]
     return "\n".join(lines)
 
 
@@ -199,7 +212,7 @@ def main() -> None:
     path = stem.with_suffix(".json")
     result = load_json(path) if path.exists() else {"runs": {}}
     result["runs"][args.name] = measure(args.config, args.name, args.steps, args.overrides)
-    result.update(command=command_line("step_kl_rows"), machine=machine_info(), code=code_version())
+    result["runs"][args.name].update(command=command_line("step_kl_rows"), machine=machine_info(), code=code_version())
     save_json(path, result)
     write_outputs(stem, result, render, None)
 

@@ -111,16 +111,18 @@ class LoGRAConfig:
     """Largest step scale the controller may apply, >= 1."""
     probe_temperature: float | None = None
     """Temperature of the KL probe's softmax; None: the probe batch's sampling temperature."""
-    kl_probe: Literal["stratified", "reference"] = "stratified"
+    kl_probe: Literal["weighted", "stratified", "reference"] = "stratified"
     """(ours) Which responses the KL probe scores. ``stratified``: the update's responses
     sorted by their key (GRPO: the advantage) are cut into ``probe_responses`` strata of
     about equal tokens, one is drawn from each and weighted by its stratum's tokens, so the
-    prediction estimates the step's KL over every trained token; ``reference``: the first
-    ``probe_responses`` (the authors'; they under-estimate the batch's KL when a few
-    responses carry most of it)."""
+    prediction estimates the step's KL over every trained token; ``weighted``: strata of
+    about equal expected KL (tokens times ``1 + key^2 / mean key^2``), a response holding a
+    stratum's share probed for certain, so that a rare outcome's response, which moves
+    most, is not left to chance; ``reference``: the first ``probe_responses`` (the authors';
+    they under-estimate the batch's KL when a few responses carry most of it)."""
     probe_responses: int | None = None
     """Responses per rank the KL probe runs on; None: 2 with ``kl_probe: reference`` (the
-    authors'), 8 with ``stratified``."""
+    authors'), 8 with ``stratified`` and ``weighted``."""
     probe_max_tokens: int = 4096
     """Most real tokens per probe response."""
     probe_chunk_positions: int = 128
@@ -201,7 +203,7 @@ class LoGRAConfig:
         check.integer("schedule_steps", at_least=1)
         check.number("alpha_max", at_least=1)
         check.number("probe_temperature", above=0, optional=True)
-        check.choice("kl_probe", ("stratified", "reference"))
+        check.choice("kl_probe", ("weighted", "stratified", "reference"))
         check.integer("probe_responses", at_least=1, optional=True)
         check.integer("probe_max_tokens", at_least=1)
         check.integer("probe_chunk_positions", at_least=1)

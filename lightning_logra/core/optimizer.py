@@ -458,7 +458,8 @@ def _probe_batch(probe: ProbeBatch | dict | None, config: LoGRAConfig, generator
     probe = ProbeBatch.from_mapping(probe)
     if config.kl_probe == "reference":
         return probe.first_rows(config.probe_rows())
-    return probe.stratified(config.probe_rows(), max_tokens=config.probe_max_tokens, generator=generator)
+    return probe.stratified(config.probe_rows(), max_tokens=config.probe_max_tokens, generator=generator,
+                            by_kl_share=config.kl_probe == "weighted")
 
 
 def _step_inputs(inputs: LoGRAStepInputs | None, deprecated: dict[str, Any]) -> LoGRAStepInputs:

@@ -3,13 +3,16 @@ forwards, and what each scored position stands for.
 
 The controller's budget is a mean over every trained position of the update's rows; the
 probe scores a few rows. ``reference`` (the authors') probes the first rows.
-``stratified`` (ours, the default) sorts the rows by a key (GRPO: the advantage), cuts them
-into strata of about equal positions and probes one row drawn from each, weighted so that
-the weighted mean over its positions estimates the mean over all of them: a step's KL is
-concentrated in a few rows (in the quickstart one row of 32 held up to 61% of it, mostly
-rows of rare outcomes, whose advantage is largest), and the first rows of a batch are
-one prompt's, often of a group whose advantage is 0
-(``benchmarks/results/step_kl_rows.md``).
+``stratified`` (ours) sorts the rows by a key (GRPO: the advantage), cuts them into strata
+of about equal positions and probes one row drawn from each, weighted so that the weighted
+mean over its positions estimates the mean over all of them: a step's KL is concentrated
+in a few rows (in the quickstart one row of 32 held up to 61% of it, mostly rows of rare
+outcomes, whose advantage is largest), and the first rows of a batch are one prompt's,
+often of a group whose advantage is 0 (``benchmarks/results/step_kl_rows.md``).
+``weighted`` (ours) cuts the strata by each row's expected share of the KL instead
+(positions times ``1 + advantage^2 / mean advantage^2``) and probes a row holding a whole
+stratum's share for certain: a rare outcome's row no longer shares a stratum with rows
+that barely move, so the step no longer overshoots when the draw misses it.
 """
 
 from __future__ import annotations
@@ -81,14 +84,20 @@ class ProbeBatch:
         """The first ``count`` rows (the authors' probe: ``kl_probe: reference``)."""
         return self._rows(torch.arange(min(count, self.rows), device=self.input_ids.device))
 
-    def stratified(self, count: int, *, max_tokens: int | None, generator: torch.Generator) -> ProbeBatch:
-        """At most ``count`` rows, weighted so that their weighted mean over scored positions
-        estimates, without bias, the mean over every scored position of the batch
-        (``kl_probe: stratified``; ``stratified_rows`` says how). At most ``max_tokens``
-        tokens of a row are probed."""
+    def stratified(self, count: int, *, max_tokens: int | None, generator: torch.Generator,
+                   by_kl_share: bool = False) -> ProbeBatch:
+        """At most ``count`` rows, weighted so that their weighted sums over scored positions
+        estimate, without bias, the sums over every scored position of the batch: strata of
+        equal positions (``kl_probe: stratified``, ``stratified_rows``) or, ``by_kl_share``,
+        of equal expected KL (``kl_probe: weighted``, ``share_weighted_rows``). At most
+        ``max_tokens`` tokens of a row are probed."""
         probed = [self._scored_count(row, max_tokens) for row in range(self.rows)]
-        keys = torch.arange(self.rows) if self.row_keys is None else self.row_keys
-        chosen, weights = stratified_rows(self.logits_mask.sum(dim=1), probed, keys, count, generator)
+        if by_kl_share:
+            keys = torch.zeros(self.rows) if self.row_keys is None else self.row_keys
+            chosen, weights = share_weighted_rows(self.logits_mask.sum(dim=1), probed, keys, count, generator)
+        else:
+            keys = torch.arange(self.rows) if self.row_keys is None else self.row_keys
+            chosen, weights = stratified_rows(self.logits_mask.sum(dim=1), probed, keys, count, generator)
         if not chosen:  # nothing to score anywhere: the probe reports it (EmptyProbeError)
             return self.first_rows(1)
         device = self.input_ids.device
@@ -196,27 +205,78 @@ def _packed_row(parts: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> tu
 
 def stratified_rows(positions: torch.Tensor, usable: Sequence[int], keys: torch.Tensor, count: int,
                     generator: torch.Generator) -> tuple[list[int], list[float]]:
-    """One row per stratum, and its weight. Rows with ``usable`` positions (those a probe
-    can score) are sorted by ``keys`` (stable) and cut into ``count`` strata of about equal
-    ``positions``; from each stratum one row is drawn with probability proportional to its
-    positions and weighted by the stratum's positions over its own usable ones. A value
-    summed over the drawn rows' usable positions, each times its row's weight, is then an
-    unbiased estimate of the value's sum over every position of the batch, and the weights
-    times the usable positions sum to exactly all positions. The variance shrinks as the
-    key sorts rows by their share of the sum. With no more usable rows than ``count``, every
-    one is drawn. Empty when no row is usable."""
+    """One row per stratum, and its weight (``kl_probe: stratified``). Rows with ``usable``
+    positions (those a probe can score) are sorted by ``keys`` (stable) and cut into
+    ``count`` strata of about equal ``positions``; from each stratum one row is drawn with
+    probability proportional to its positions and weighted by the stratum's positions over
+    its own usable ones. A value summed over the drawn rows' usable positions, each times
+    its row's weight, is then an unbiased estimate of the value's sum over every position of
+    the batch, and the weights times the usable positions sum to exactly all positions. The
+    variance shrinks as the key sorts rows by their share of the sum. With no more usable
+    rows than ``count``, every one is drawn. Empty when no row is usable."""
     positions = positions.detach().cpu().double()
-    order = torch.argsort(keys.detach().cpu(), stable=True).tolist()
-    candidates = [row for row in order if usable[row] > 0]
+    candidates = _usable_in_key_order(usable, keys)
     if len(candidates) <= count:  # every row fits: each is its own stratum (the exact mean)
         return candidates, [float(positions[row]) / float(usable[row]) for row in candidates]
-    sizes = positions[candidates]
-    starts = torch.cumsum(sizes, 0) - sizes
-    strata = (starts * count / sizes.sum()).floor().long().clamp(max=count - 1).tolist()
-    chosen, weights = [], []
-    for stratum in sorted(set(strata)):
-        members = [row for row, index in zip(candidates, strata) if index == stratum]
-        pick = members[int(torch.multinomial(positions[members], 1, generator=generator))]
-        chosen.append(pick)
-        weights.append(float(positions[members].sum()) / float(usable[pick]))
+    picks = _one_per_stratum(candidates, positions, count, generator)
+    return [pick for pick, _ in picks], [total / float(usable[pick]) for pick, total in picks]
+
+
+def share_weighted_rows(positions: torch.Tensor, usable: Sequence[int], keys: torch.Tensor, count: int,
+                        generator: torch.Generator) -> tuple[list[int], list[float]]:
+    """Rows and weights with strata of about equal expected share of the step's KL, not of
+    positions (``kl_probe: weighted``). A row's expected share is its positions times
+    ``1 + key^2 / mean key^2`` (the mean over positions): with the advantage as key, rows
+    of rare outcomes, whose own term dominates how far the step moves them, weigh the most
+    (in one quickstart update a success among failures moved about 8x as far per position
+    as a row of advantage 0; ``benchmarks/results/step_kl_rows.md``). A row holding at least a
+    stratum's share is probed for certain, standing for itself (weight positions / usable);
+    the rest, in key order, are cut into the remaining strata, one row drawn from each with
+    probability proportional to its share and weighted by the stratum's share over its own
+    (times positions / usable). The weighted sum over the drawn rows' usable positions is
+    an unbiased estimate of the sum over every position, as with ``stratified_rows``, but
+    the weights times the usable positions no longer sum to exactly all positions: means
+    are ratios of weighted sums. Keys all 0: shares are positions."""
+    positions = positions.detach().cpu().double()
+    candidates = _usable_in_key_order(usable, keys)
+    if len(candidates) <= count:
+        return candidates, [float(positions[row]) / float(usable[row]) for row in candidates]
+    squares = keys.detach().cpu().double() ** 2
+    mean_square = float((positions[candidates] * squares[candidates]).sum() / positions[candidates].sum())
+    shares = positions * (1 + squares / mean_square) if mean_square > 0 else positions.clone()
+    certain, rest = [], candidates
+    while True:  # each pass may lift another row over the (smaller) remaining strata's share
+        slots = count - len(certain)
+        threshold = float(shares[rest].sum()) / slots
+        heavy = [row for row in rest if float(shares[row]) >= threshold]
+        if not heavy:
+            break
+        certain += heavy
+        rest = [row for row in rest if row not in heavy]
+    # Every share is positive, so fewer rows than slots can reach the threshold: rest always
+    # keeps more rows than the slots left for it.
+    picks = _one_per_stratum(rest, shares, count - len(certain), generator)
+    chosen = certain + [pick for pick, _ in picks]
+    weights = [float(positions[row]) / float(usable[row]) for row in certain]
+    weights += [total / float(shares[pick]) * float(positions[pick]) / float(usable[pick]) for pick, total in picks]
     return chosen, weights
+
+
+def _usable_in_key_order(usable: Sequence[int], keys: torch.Tensor) -> list[int]:
+    order = torch.argsort(keys.detach().cpu(), stable=True).tolist()
+    return [row for row in order if usable[row] > 0]
+
+
+def _one_per_stratum(rows: list[int], sizes: torch.Tensor, count: int,
+                     generator: torch.Generator) -> list[tuple[int, float]]:
+    """``rows`` (in order) cut into ``count`` strata of about equal ``sizes``; per stratum
+    one row drawn with probability proportional to its size, and the stratum's total size."""
+    stratum_sizes = sizes[rows]
+    starts = torch.cumsum(stratum_sizes, 0) - stratum_sizes
+    strata = (starts * count / stratum_sizes.sum()).floor().long().clamp(max=count - 1).tolist()
+    picks = []
+    for stratum in sorted(set(strata)):
+        members = [row for row, index in zip(rows, strata) if index == stratum]
+        pick = members[int(torch.multinomial(sizes[members], 1, generator=generator))]
+        picks.append((pick, float(sizes[members].sum())))
+    return picks

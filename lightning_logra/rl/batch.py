@@ -53,7 +53,8 @@ class RolloutBatch:
         their tokens, at the sampling temperature (``packed``: see ``ProbeBatch``). Rows come
         one per prompt first (then each prompt's second sample, ...), so the reference
         probe's first responses answer different prompts; each row's key is its advantage,
-        which the stratified probe sorts by (rows of rare outcomes carry most of a step's KL)."""
+        which the stratified and weighted probes sort by (rows of rare outcomes carry most of a
+        step's KL)."""
         rollouts = self.rollouts
         attention_mask = rollouts.attention_mask[rows]
         logits_mask = torch.zeros_like(attention_mask, dtype=torch.bool)

@@ -247,8 +247,8 @@ class LoggingConfig:
     tokens freshly drawn from the pre-step policy in the training forward (``rl.step_kl``),
     scored again by one no-grad forward over those rows after the step."""
     step_kl_rows: int = 4
-    """Rows per update (per rank) ``policy/step_kl`` is measured on, drawn stratified by
-    advantage; 0: every row (exact up to the token draws, a forward over the whole batch)."""
+    """Rows per update (per rank) ``policy/step_kl`` is measured on, drawn in strata of equal
+    expected KL by advantage (as ``kl_probe: weighted``); 0: every row (exact up to the token draws, a forward over the whole batch)."""
 
     kl_from_init: bool = False
     """At every validation, ``val/kl_from_init``: KL(policy || initial policy) at the sampling

@@ -3,13 +3,14 @@
 
 The quantity is the one LoGRA's KL budget bounds: the mean, over every trained position of
 the update's rows, of KL(before || after) between the position's next-token distributions.
-Before the step, ``plan_draw`` picks rows stratified by advantage (the stratified probe's
-rule, ``stratified_rows``: a step's KL sits mostly in a few rows of rare outcomes), and the
-training forward itself draws ``SAMPLES`` tokens at each of their trained positions from the
-pre-step policy (``TokenDraw.in_micro_batch``); after the step, ``k3_sums`` scores those
-tokens again. k3 of their log-prob ratio is unbiased for each position's KL because the
-tokens are fresh: k3 at the tokens the update was trained on, which it raised or lowered on
-purpose, over-stated the KL 1.5-5x on the quickstart (``benchmarks/results/step_kl_rows.md``).
+Before the step, ``plan_draw`` picks rows in strata of equal expected KL by advantage (the
+weighted probe's rule, ``share_weighted_rows``: a step's KL sits mostly in a few rows of
+rare outcomes, which it draws for certain), and the training forward itself draws
+``SAMPLES`` tokens at each of their trained positions from the pre-step policy
+(``TokenDraw.in_micro_batch``); after the step, ``k3_sums`` scores those tokens again.
+k3 of their log-prob ratio is unbiased for each position's KL because the tokens are
+fresh: k3 at the tokens the update was trained on, which it raised or lowered on purpose,
+over-stated the KL 1.5-5x on the quickstart (``benchmarks/results/step_kl_rows.md``).
 One no-grad forward over the drawn rows, after the step (drawing in the training forward
 saves the second, about half the measurement's cost); with ``count=0`` every row is drawn
 (each stands for itself) and the estimate's only noise is the token draws'. The same
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_logra.core.probe_batch import stratified_rows
+from lightning_logra.core.probe_batch import share_weighted_rows
 from lightning_logra.core.reliability import memory_phase
 from lightning_logra.core.reshard import reshard
 from lightning_logra.rl.batch import BACKWARD_HINT, MicroBatching, RolloutBatch
@@ -67,8 +68,8 @@ class TokenDraw:
 
 
 def plan_draw(batch: RolloutBatch, rows: slice, *, count: int, generator: torch.Generator) -> TokenDraw:
-    """``count`` rows of ``rows`` stratified by advantage (every row with a trained position
-    when 0), with room for their tokens; ``generator`` (on the batch's device) will draw the
+    """``count`` rows of ``rows`` in strata of equal expected KL by advantage (every row with
+    a trained position when 0), with room for their tokens; ``generator`` (on the batch's device) will draw the
     tokens, and its seed draws the rows here, on the CPU."""
     mask = batch.mask[rows]
     positions = mask.sum(dim=1)
@@ -77,7 +78,8 @@ def plan_draw(batch: RolloutBatch, rows: slice, *, count: int, generator: torch.
         weights = [1.0] * len(chosen)
     else:
         rows_generator = torch.Generator().manual_seed(generator.initial_seed())
-        chosen, weights = stratified_rows(positions, positions.tolist(), batch.advantages[rows], count, rows_generator)
+        chosen, weights = share_weighted_rows(positions, positions.tolist(), batch.advantages[rows], count,
+                                              rows_generator)
     device = mask.device
     picked = torch.tensor(chosen, dtype=torch.long, device=device) + rows.start
     tokens = torch.zeros(len(chosen), mask.shape[1], SAMPLES, dtype=torch.long, device=device)

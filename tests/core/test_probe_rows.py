@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_logra import LoGRAStepInputs, ProbeBatch, probe_predicted_kl
-from lightning_logra.core.probe_batch import stratified_rows
+from lightning_logra.core.probe_batch import share_weighted_rows, stratified_rows
 from tests.helpers.core import backward, qwen2_and_optimizer, weights
 
 
@@ -80,3 +80,51 @@ def test_the_weighted_sum_is_an_unbiased_estimate_of_the_batch_total():
     standard_error = estimates.std() / len(estimates) ** 0.5
     assert abs(estimates.mean() - row_totals.sum()) < 4 * standard_error
     assert standard_error < 0.01 * row_totals.sum()  # power to see a 4% bias
+
+
+def test_weighted_probes_a_rare_outcome_for_certain_and_stands_for_every_position():
+    # One success among failures (advantage 2.47 against -0.35) and rows of groups without
+    # a signal (0), as in a two-digit-sum batch: the success's expected share of the KL
+    # exceeds a stratum's, so it is probed in every draw and stands only for itself.
+    positions = torch.tensor([16.0] * 16)
+    keys = torch.tensor([2.47] + [-0.35] * 7 + [0.0] * 8)
+    for seed in range(20):
+        chosen, weights = share_weighted_rows(positions, positions.tolist(), keys, 4, torch.Generator().manual_seed(seed))
+        assert chosen[0] == 0 and weights[0] == 1.0 and len(chosen) == 4
+    # Equal-position strata (``stratified``) leave it to a draw in a stratum of 4 rows.
+    drawn = {0 in stratified_rows(positions, positions.tolist(), keys, 4, torch.Generator().manual_seed(seed))[0]
+             for seed in range(20)}
+    assert drawn == {True, False}
+    # Keys all 0: strata of equal positions, a long row for certain.
+    chosen, weights = share_weighted_rows(torch.tensor([40.0, 10.0, 10.0, 10.0, 10.0]), [40, 10, 10, 10, 10],
+                                          torch.zeros(5), 2, torch.Generator().manual_seed(0))
+    assert (chosen[0], weights) == (0, [1.0, 4.0])
+    # Rows nothing can be scored on are never drawn; too few rows: every one, for itself.
+    chosen, _ = share_weighted_rows(positions[:6], [0, 6, 0, 8, 0, 16], keys[:6], 2, torch.Generator().manual_seed(0))
+    assert set(chosen) <= {1, 3, 5}
+    assert share_weighted_rows(positions[:6], [0] * 6, keys[:6], 2, torch.Generator()) == ([], [])
+    assert share_weighted_rows(torch.tensor([1.0, 100.0]), [1, 50], torch.tensor([0.0, 1.0]), 8,
+                               torch.Generator()) == ([0, 1], [1.0, 2.0])
+
+
+def test_weighted_sums_are_unbiased_and_closer_than_equal_position_strata_on_a_skewed_batch():
+    # Per-position KL about 8x as large on the rare success's row as on the others (as in a
+    # quickstart update), and varying from row to row, unlike the rule's expected shares.
+    positions = torch.tensor([10.0, 12.0, 8.0, 16.0, 9.0, 14.0, 11.0, 7.0, 13.0, 15.0])
+    keys = torch.tensor([0.0, 0.0, -0.35, -0.35, 2.47, -0.35, 0.0, 0.0, -0.35, 0.0])
+    rates = torch.tensor([0.010, 0.014, 0.012, 0.020, 0.12, 0.009, 0.011, 0.016, 0.013, 0.008], dtype=torch.float64)
+    row_totals = positions.double() * rates
+    generator = torch.Generator().manual_seed(0)
+
+    def estimates(rule):
+        values = []
+        for _ in range(20_000):
+            chosen, weights = rule(positions, positions.tolist(), keys, 3, generator)
+            values.append(sum(w * row_totals[row].item() for row, w in zip(chosen, weights)))
+        return torch.tensor(values, dtype=torch.float64)
+
+    weighted, stratified = estimates(share_weighted_rows), estimates(stratified_rows)
+    standard_error = weighted.std() / len(weighted) ** 0.5
+    assert abs(weighted.mean() - row_totals.sum()) < 4 * standard_error
+    assert standard_error < 0.01 * row_totals.sum()  # power to see a 4% bias
+    assert weighted.std() < 0.5 * stratified.std()

@@ -72,14 +72,26 @@ def test_the_stratified_probe_holds_the_whole_batch_to_the_budget():
     assert all(0.67 <= ratio <= 1.5 for ratio in stratified), stratified
 
 
+def test_the_weighted_probe_needs_fewer_rows_as_it_never_leaves_the_rare_success_to_chance():
+    # With 4 rows of 16, equal-position strata put the success's row in a stratum of 4 and
+    # one step of five moves 1.62x the budget; strata of equal expected KL probe it for
+    # certain, and every step stays within [0.67, 1.5] (0.71-1.23).
+    stratified = [logra_update(rare_success_batch(seed), "stratified", 4, seed) for seed in range(5)]
+    weighted = [logra_update(rare_success_batch(seed), "weighted", 4, seed) for seed in range(5)]
+    assert any(ratio > 1.5 for ratio in stratified), stratified
+    assert all(0.67 <= ratio <= 1.5 for ratio in weighted), weighted
+
+
 def test_a_step_that_moves_nothing_measures_exactly_zero_over_all_trained_positions():
     model, batch, settings = tiny_qwen2(), rare_success_batch(0), micro_batching(size=3)
     for count in (0, 4):
         draw = draw_tokens(model, batch, ROWS, settings, count=count, generator=torch.Generator().manual_seed(0))
         k3_sum, positions = k3_sums(model, batch, draw, settings)
         assert k3_sum.item() == 0.0
-        # Drawn stratified, the rows' weights make them stand for every trained position.
-        assert positions.item() == pytest.approx(batch.mask.sum().item(), rel=1e-12)
+        if count == 0:  # every row, each standing for itself
+            assert positions.item() == batch.mask.sum().item()
+        else:  # drawn by expected KL share: the weighted positions estimate them (a ratio's denominator)
+            assert 0.5 * batch.mask.sum().item() < positions.item() < 2 * batch.mask.sum().item()
         assert draw.tokens.shape[-1] == SAMPLES
 
 
@@ -130,10 +142,10 @@ def test_the_training_forward_draws_from_the_pre_step_policy_and_trains_exactly_
     before = full_log_softmax(model, batch)[draw.rows][trained_positions].gather(-1, tokens)
     torch.testing.assert_close(draw.logprobs[trained_positions].double(), before, rtol=0, atol=1e-5)
     # Nothing stepped: k3 after is the round-off between two forwards of other shapes, and
-    # the rows' weights stand for every trained position of the batch.
+    # the denominator is the drawn rows' trained positions, each row's times its weight.
     k3_sum, positions = k3_sums(model, batch, draw, settings)
     assert 0 <= k3_sum.item() < 1e-9
-    assert positions.item() == pytest.approx(batch.mask.sum().item(), rel=1e-12)
+    assert positions.item() == pytest.approx((draw.weights * trained_positions.sum(dim=1)).sum().item(), rel=1e-12)
 
 
 def test_its_mean_over_draws_is_the_exact_kl_of_the_step():
