@@ -59,7 +59,9 @@ def method_overrides(task: str, method: str, value: float) -> list[str]:
     """Command-line overrides of ``method`` at step size ``value`` on top of its task config."""
     if method == "logra":
         logra = "--trainer.strategy.init_args.logra"
-        return [f"{logra}.kl_budget={value:g}", f"{logra}.kl_budget_final={value:g}"]
+        # The probe every LoGRA run of this protocol trained with: the default until
+        # 2026-12-07 (the weighted probe, the default since, came in the middle of it).
+        return [f"{logra}.kl_budget={value:g}", f"{logra}.kl_budget_final={value:g}", f"{logra}.kl_probe=stratified"]
     overrides = [f"--model.init_args.optimizer.lr={value:g}"]
     if method == "dense_paper":  # the paper's recipe: betas (0.9, 0.95), 9 warm-up steps, cosine to 0.1x over 300
         overrides += ["--model.init_args.optimizer.betas=[0.9,0.95]", "--model.init_args.optimizer.warmup_steps=9",

@@ -44,7 +44,7 @@ DEPRECATED_ALIASES: dict[str, str] = {
 # Responses per rank the KL probe scores by default: the authors' 2 first ones, or one from
 # each of 8 strata (issue 41: the quickstart's per-row step KL, benchmarks/results/step_kl_rows.md).
 REFERENCE_PROBE_RESPONSES = 2
-STRATIFIED_PROBE_RESPONSES = 8
+DRAWN_PROBE_RESPONSES = 8
 
 # ``rank: auto`` resolves against the model's targets (``projection.auto_rank``).
 AUTO_RANK = "auto"
@@ -111,15 +111,15 @@ class LoGRAConfig:
     """Largest step scale the controller may apply, >= 1."""
     probe_temperature: float | None = None
     """Temperature of the KL probe's softmax; None: the probe batch's sampling temperature."""
-    kl_probe: Literal["weighted", "stratified", "reference"] = "stratified"
-    """(ours) Which responses the KL probe scores. ``stratified``: the update's responses
+    kl_probe: Literal["weighted", "stratified", "reference"] = "weighted"
+    """(ours) Which responses the KL probe scores. ``weighted``: the update's responses
     sorted by their key (GRPO: the advantage) are cut into ``probe_responses`` strata of
-    about equal tokens, one is drawn from each and weighted by its stratum's tokens, so the
-    prediction estimates the step's KL over every trained token; ``weighted``: strata of
     about equal expected KL (tokens times ``1 + key^2 / mean key^2``), a response holding a
-    stratum's share probed for certain, so that a rare outcome's response, which moves
-    most, is not left to chance; ``reference``: the first ``probe_responses`` (the authors';
-    they under-estimate the batch's KL when a few responses carry most of it)."""
+    stratum's share is probed for certain (a rare outcome's, which moves most), one is drawn
+    from each other stratum and weighted by its stratum's share, so the prediction estimates
+    the step's KL over every trained token; ``stratified`` (the default until 2026-12-07):
+    strata of about equal tokens; ``reference``: the first ``probe_responses`` (the
+    authors'; they under-estimate the batch's KL when a few responses carry most of it)."""
     probe_responses: int | None = None
     """Responses per rank the KL probe runs on; None: 2 with ``kl_probe: reference`` (the
     authors'), 8 with ``stratified`` and ``weighted``."""
@@ -227,7 +227,7 @@ class LoGRAConfig:
         """Responses per rank the KL probe runs on (``probe_responses`` or its default)."""
         if self.probe_responses is not None:
             return self.probe_responses
-        return REFERENCE_PROBE_RESPONSES if self.kl_probe == "reference" else STRATIFIED_PROBE_RESPONSES
+        return REFERENCE_PROBE_RESPONSES if self.kl_probe == "reference" else DRAWN_PROBE_RESPONSES
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -23,7 +23,7 @@ def test_defaults_match_the_paper():
     assert (config.kl_budget, config.kl_budget_final, config.schedule_steps) == (2e-4, 2e-5, 300)
     assert (config.alpha_max, config.probe_max_tokens) == (3.0, 4096)
     # The authors probe their first 2 responses; ours by default one from each of 8 strata (issue 41).
-    assert (LoGRAConfig(kl_probe="reference").probe_rows(), config.kl_probe, config.probe_rows()) == (2, "stratified", 8)
+    assert (LoGRAConfig(kl_probe="reference").probe_rows(), config.kl_probe, config.probe_rows()) == (2, "weighted", 8)
     assert (config.mismatch_subtraction, config.mismatch_ema_weight, config.mismatch_budget_floor) == (True, 0.3, 0.5)
     assert config.target_modules == list(DEFAULT_TARGET_MODULES) == [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
