@@ -92,12 +92,10 @@ class ProbeBatch:
         of equal expected KL (``kl_probe: weighted``, ``share_weighted_rows``). At most
         ``max_tokens`` tokens of a row are probed."""
         probed = [self._scored_count(row, max_tokens) for row in range(self.rows)]
-        if by_kl_share:
-            keys = torch.zeros(self.rows) if self.row_keys is None else self.row_keys
-            chosen, weights = share_weighted_rows(self.logits_mask.sum(dim=1), probed, keys, count, generator)
-        else:
-            keys = torch.arange(self.rows) if self.row_keys is None else self.row_keys
-            chosen, weights = stratified_rows(self.logits_mask.sum(dim=1), probed, keys, count, generator)
+        # Without keys, rows keep their order (a stable sort of zeros) and weigh by tokens alone.
+        keys = torch.zeros(self.rows) if self.row_keys is None else self.row_keys
+        rule = share_weighted_rows if by_kl_share else stratified_rows
+        chosen, weights = rule(self.logits_mask.sum(dim=1), probed, keys, count, generator)
         if not chosen:  # nothing to score anywhere: the probe reports it (EmptyProbeError)
             return self.first_rows(1)
         device = self.input_ids.device
@@ -217,7 +215,7 @@ def stratified_rows(positions: torch.Tensor, usable: Sequence[int], keys: torch.
     positions = positions.detach().cpu().double()
     candidates = _usable_in_key_order(usable, keys)
     if len(candidates) <= count:  # every row fits: each is its own stratum (the exact mean)
-        return candidates, [float(positions[row]) / float(usable[row]) for row in candidates]
+        return candidates, _standing_for_themselves(candidates, positions, usable)
     picks = _one_per_stratum(candidates, positions, count, generator)
     return [pick for pick, _ in picks], [total / float(usable[pick]) for pick, total in picks]
 
@@ -240,7 +238,7 @@ def share_weighted_rows(positions: torch.Tensor, usable: Sequence[int], keys: to
     positions = positions.detach().cpu().double()
     candidates = _usable_in_key_order(usable, keys)
     if len(candidates) <= count:
-        return candidates, [float(positions[row]) / float(usable[row]) for row in candidates]
+        return candidates, _standing_for_themselves(candidates, positions, usable)
     squares = keys.detach().cpu().double() ** 2
     mean_square = float((positions[candidates] * squares[candidates]).sum() / positions[candidates].sum())
     shares = positions * (1 + squares / mean_square) if mean_square > 0 else positions.clone()
@@ -257,9 +255,14 @@ def share_weighted_rows(positions: torch.Tensor, usable: Sequence[int], keys: to
     # keeps more rows than the slots left for it.
     picks = _one_per_stratum(rest, shares, count - len(certain), generator)
     chosen = certain + [pick for pick, _ in picks]
-    weights = [float(positions[row]) / float(usable[row]) for row in certain]
+    weights = _standing_for_themselves(certain, positions, usable)
     weights += [total / float(shares[pick]) * float(positions[pick]) / float(usable[pick]) for pick, total in picks]
     return chosen, weights
+
+
+def _standing_for_themselves(rows: list[int], positions: torch.Tensor, usable: Sequence[int]) -> list[float]:
+    """Weights of rows probed for certain: each stands for its own positions."""
+    return [float(positions[row]) / float(usable[row]) for row in rows]
 
 
 def _usable_in_key_order(usable: Sequence[int], keys: torch.Tensor) -> list[int]:
