@@ -6,6 +6,9 @@ from __future__ import annotations
 import logging
 import warnings
 
+from lightning.fabric.utilities.warnings import PossibleUserWarning
+from torch import nn
+
 
 def quiet_lightning_pytree_notice() -> None:
     """Lightning 2.6's batch flattening (``lightning/pytorch/utilities/_pytree.py``) builds
@@ -17,6 +20,20 @@ def quiet_lightning_pytree_notice() -> None:
         category=FutureWarning,
         module=r"lightning\.pytorch\.utilities\._pytree",
     )
+
+
+def quiet_eval_mode_notice_for_frozen(module: nn.Module, frozen: list[nn.Module]) -> None:
+    """Lightning warns at the start of every fit that finds modules in eval mode; a frozen
+    copy (a KL reference) is in eval mode by design. Silenced only when the frozen copies
+    are exactly the modules in eval mode (the warning names their count), so a policy
+    module a user left in eval mode is still reported. Call it from ``on_fit_start``."""
+    in_eval = sum(not m.training for m in module.modules())
+    frozen_in_eval = sum(not m.training for copy in frozen for m in copy.modules())
+    if in_eval and in_eval == frozen_in_eval:
+        warnings.filterwarnings(
+            "ignore", message=rf"Found {in_eval} module\(s\) in eval mode at the start of training",
+            category=PossibleUserWarning,
+        )
 
 
 # Lightning's console lines that the ``logra`` command's users cannot act on: an

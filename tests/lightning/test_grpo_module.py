@@ -14,7 +14,7 @@ from lightning_logra.modules.grpo import DEPRECATED_ALIASES
 from lightning_logra.rewards.runner import RewardRunner
 from lightning_logra.rl.config import lr_factor
 from lightning_logra.rl import step as rl_step
-from tests.helpers.grpo import grpo_module, prompt_data
+from tests.helpers.grpo import fit_grpo, grpo_module, prompt_data
 
 LOGGED = {"reward/mean", "reward/std", "reward/zero_std_groups", "reward/failures", "completion/length_mean",
           "completion/length_max", "completion/clipped_fraction", "policy/entropy", "policy/clip_fraction",
@@ -104,6 +104,25 @@ def test_dense_adamw_changes_every_weight(model_folder):
     # the embedding of tokens never sampled keeps its rows, but every tensor moves
     assert changed == names
     assert LOGGED <= set(logged)
+
+
+def eval_mode_notices(grpo, folder, callbacks=()) -> list[str]:
+    caught = []
+    fit_grpo(grpo, folder, steps=1, caught_warnings=caught, callbacks=callbacks)
+    return [str(w.message) for w in caught if "in eval mode at the start of training" in str(w.message)]
+
+
+def test_a_frozen_reference_raises_no_eval_mode_notice_but_a_policy_module_left_in_eval_does(model_folder):
+    assert eval_mode_notices(grpo_module(model_folder, loss=LossConfig(kl_coef=0.1)), model_folder) == []
+
+    class PolicyNormInEval(L.Callback):
+        def on_fit_start(self, trainer, grpo):  # callbacks' hooks run before the module's
+            grpo.policy.model.norm.eval()
+
+    grpo = grpo_module(model_folder, loss=LossConfig(kl_coef=0.1))
+    notices = eval_mode_notices(grpo, model_folder, callbacks=[PolicyNormInEval()])
+    reference_modules = sum(1 for _ in grpo.reference.modules())
+    assert len(notices) == 1 and notices[0].startswith(f"Found {reference_modules + 1} module(s) in eval mode")
 
 
 def test_lora_changes_only_the_adapters(model_folder):
