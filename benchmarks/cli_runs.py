@@ -24,15 +24,24 @@ def fresh_work(name: str) -> Path:
     return work
 
 
+def kept_work(name: str) -> Path:
+    """``lightning_logs/<name>``, kept as found: the folder of runs that resume from their
+    checkpoints when started again."""
+    work = ROOT / "lightning_logs" / name
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
 def mlflow_environment(work: Path) -> dict:
     """This process's environment, with MLflow tracking into ``work/mlflow.db``."""
     return dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}")
 
 
-def run_logra(arguments: list[str], environment: dict, log: Path) -> float:
-    """Run ``logra <arguments>`` from the repository root, output to ``log``; seconds taken."""
+def run_logra(arguments: list[str], environment: dict, log: Path, append: bool = False) -> float:
+    """Run ``logra <arguments>`` from the repository root, output to ``log`` (after what it
+    holds, with ``append``); seconds taken."""
     started = time.perf_counter()
-    with log.open("w") as stream:
+    with log.open("a" if append else "w") as stream:
         completed = subprocess.run([sys.executable, "-c", "from lightning_logra.cli import main; main()", *arguments],
                                    cwd=ROOT, env=environment, stdout=stream, stderr=subprocess.STDOUT)
     if completed.returncode != 0:
@@ -47,7 +56,9 @@ def metric_history(database: Path, run_name: str, key: str) -> list[tuple[int, f
 
 def timed_metric_history(database: Path, run_name: str, key: str) -> list[tuple[int, float, float]]:
     """(step, value, seconds since the run started) of one metric of the MLflow run called
-    ``run_name``, in step order: MLflow stamps every logged value with the wall clock."""
+    ``run_name``, in step order: MLflow stamps every logged value with the wall clock. A run
+    resumed from a checkpoint logs the steps after it again: each step's last value is the
+    one kept (its seconds then count the time the run was stopped)."""
     with sqlite3.connect(database) as connection:
         rows = connection.execute(
             "select m.step, m.value, (m.timestamp - r.start_time) / 1000.0 from metrics m "
@@ -58,7 +69,26 @@ def timed_metric_history(database: Path, run_name: str, key: str) -> list[tuple[
         ).fetchall()
     if not rows:
         raise SystemExit(f"run {run_name!r} logged no {key!r}")
-    return [(int(step), float(value), float(seconds)) for step, value, seconds in rows]
+    last = {int(step): (int(step), float(value), float(seconds)) for step, value, seconds in rows}
+    return list(last.values())
+
+
+def run_id(database: Path, run_name: str) -> str:
+    """The id of the one MLflow run called ``run_name`` (a resume logs into it again)."""
+    with sqlite3.connect(database) as connection:
+        rows = connection.execute("select r.run_uuid from runs r join tags t on t.run_uuid = r.run_uuid "
+                                  "and t.key = 'mlflow.runName' where t.value = ?", (run_name,)).fetchall()
+    if len(rows) != 1:
+        raise SystemExit(f"{database}: {len(rows)} runs are called {run_name!r}")
+    return rows[0][0]
+
+
+def last_logged(database: Path, run_id: str, before: float) -> float | None:
+    """The wall clock (epoch seconds) of the run's last logged metric before ``before``."""
+    with sqlite3.connect(database) as connection:
+        (stamp,) = connection.execute("select max(timestamp) from metrics where run_uuid = ? and timestamp < ?",
+                                      (run_id, before * 1000.0)).fetchone()
+    return None if stamp is None else stamp / 1000.0
 
 
 def artifact_folder(database: Path, run_name: str) -> Path:

@@ -28,7 +28,9 @@ step-KL scalar per method). Fixed before measuring, in ``frontier_protocol``:
    thread each) without their wall clocks entering the result.
 6. **Long runs** (``--long``): each method at its chosen step size (best mean final pass@1
    on ``addition`` over the seeds with all its sweep runs), seed 0, 300 steps, validation
-   every 50.
+   every 50. Each saves a checkpoint every 7 steps and, stopped and started again with the
+   same command, resumes from it into the same MLflow run (hours of runs outlast a working
+   session); its seconds add up its launches.
 
 It runs in parts and resumes: every invocation adds the runs it is asked for to
 ``frontier.json``, skipping those already there, saves after each, records its command and
@@ -41,39 +43,45 @@ commit, and rewrites the .md and .png from everything measured so far::
     python -m benchmarks.frontier --render benchmarks/results/frontier.json
     python -m benchmarks.frontier --smoke --out /tmp/frontier          # every path on 2-step runs
 
-Run logs and MLflow stores stay in ``lightning_logs/frontier/<task>/<run>``.
+Run logs and MLflow stores stay in ``lightning_logs/frontier/<task>/<run>`` (the long runs':
+``lightning_logs/frontier/addition-long/<run>``, with their checkpoints).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .cli_runs import artifact_folder, fresh_work, mlflow_environment, run_logra, timed_metric_history
+from .cli_runs import (artifact_folder, fresh_work, kept_work, last_logged, mlflow_environment, run_id, run_logra,
+                       timed_metric_history)
 from .harness import (argument_parser, check_smoke_out, code_version, command_line, load_json, machine_info, save_json,
                       write_outputs)
-from .frontier_protocol import (LONG_SEED, LONG_STEPS, LONG_VAL_EVERY, METHODS, SEEDS, STEPS, SWEEPS, TASKS,
+from .frontier_protocol import (LONG_CHECKPOINT_EVERY, LONG_SEED, LONG_STEPS, LONG_VAL_EVERY, METHODS, SEEDS, STEPS, SWEEPS, TASKS,
                                 TIMING_STEPS, VAL_EVERY, VAL_SAMPLES, chosen_value, config_of, method_overrides,
                                 setting)
 from .frontier_report import method_seeds, plot, render
 from .quality_matched import digest
 
-SMOKE = {"steps": 2, "val_every": 1, "val_size": 4, "long_steps": 2, "long_val_every": 2, "timing_steps": 3}
+SMOKE = {"steps": 2, "val_every": 1, "val_size": 4, "long_steps": 2, "long_val_every": 2, "long_checkpoint_every": 1,
+         "timing_steps": 3}
 
 
 class Runner:
     """Runs ``logra`` for one task, each run in its own folder and MLflow store (so that runs
-    may go side by side), and reads back its curves and per-prompt validation results."""
+    may go side by side), and reads back its curves and per-prompt validation results. The
+    long runs' folders are kept between invocations: a long run resumes from its checkpoint."""
 
-    def __init__(self, task: str, smoke: dict, threads: int | None) -> None:
+    def __init__(self, task: str, smoke: dict, threads: int | None, long: bool = False) -> None:
         self.task, self.smoke, self.threads = task, smoke, threads
         self.val_size = smoke.get("val_size", TASKS[task]["val_size"])
-        self.root = fresh_work(f"frontier{'_smoke' if smoke else ''}/{task}")
+        folder = f"frontier{'_smoke' if smoke else ''}/{task}"
+        self.root = kept_work(f"{folder}-long") if long else fresh_work(folder)
 
     def arguments(self, seed: int, name: str, work: Path) -> list[str]:
         return [f"--seed_everything={seed}", f"--model.init_args.seed={seed}", f"--data.init_args.seed={seed}",
@@ -83,17 +91,18 @@ class Runner:
                 f"--trainer.logger.init_args.run_name={name}", f"--trainer.default_root_dir={work}",
                 *TASKS[self.task]["overrides"]]
 
-    def launch(self, command: list[str], name: str) -> tuple[Path, float]:
+    def launch(self, command: list[str], name: str, append: bool = False) -> tuple[Path, float]:
         work = self.root / name
         work.mkdir(parents=True, exist_ok=True)
         environment = mlflow_environment(work)
         if self.threads is not None:
             environment["OMP_NUM_THREADS"] = str(self.threads)
-        seconds = run_logra(command, environment, work / "run.log")
+        seconds = run_logra(command, environment, work / "run.log", append=append)
         return work, seconds
 
     def untrained(self, seed: int) -> dict:
         name = f"{self.task}-untrained-seed{seed}"
+        shutil.rmtree(self.root / name, ignore_errors=True)  # the long runs' folder is kept: one MLflow run a name
         command = ["validate", "-c", config_of(self.task, "dense"), *self.arguments(seed, name, self.root / name)]
         work, seconds = self.launch(command, name)
         validation = validations(work, name, with_kl=False)[0]
@@ -114,10 +123,17 @@ class Runner:
         if method == "logra":  # its random projections are seeded too; the budget is constant
             command += [f"--trainer.strategy.init_args.logra.schedule_steps={steps}",
                         f"--trainer.strategy.init_args.logra.seed={42 + seed}"]
-        work, seconds = self.launch(command, name)
+        launches = [time.time()]
+        if kind == "long":
+            work = self.root / name
+            command += checkpointing(work, self.smoke.get("long_checkpoint_every", LONG_CHECKPOINT_EVERY))
+            launches = record_launch(work, name)
+            command += resume_arguments(work, name) if len(launches) > 1 else []
+        work, seconds = self.launch(command, name, append=len(launches) > 1)
         database = work / "mlflow.db"
+        seconds += earlier_launches_seconds(database, name, launches)
         record = {"task": self.task, "kind": kind, "method": method, "value": value, "setting": setting(method, value),
-                  "seed": seed, "steps": steps, "seconds": seconds, "threads": self.threads,
+                  "seed": seed, "steps": steps, "seconds": seconds, "threads": self.threads, "launches": len(launches),
                   "reward_mean": timed_metric_history(database, name, "reward/mean"),
                   "step_kl": timed_metric_history(database, name, "policy/step_kl")}
         if val_every is None:
@@ -130,6 +146,47 @@ class Runner:
         print(f"{name}: pass@1 {curve}, KL from init "
               f"{record['validations'][-1]['kl_from_init']:.2e} ({seconds:.0f} s)", flush=True)
         return record
+
+
+def checkpointing(work: Path, every: int) -> list[str]:
+    """A long run saves ``last.ckpt`` every ``every`` steps, so that stopping it (the end of
+    a working session) loses at most that many steps: started again, it resumes."""
+    return ["--trainer.enable_checkpointing=true", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={work / 'checkpoints'}", f"--trainer.callbacks.every_n_train_steps={every}",
+            "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true"]
+
+
+def record_launch(work: Path, name: str) -> list[float]:
+    """The wall clocks (epoch seconds) at which the run in ``work`` was launched, this one
+    last. A run stopped before its first checkpoint starts over: its folder is emptied."""
+    launches_file = work / "launches.json"
+    if not (work / "checkpoints" / "last.ckpt").exists():
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+    # A stop by SIGTERM also saves a checkpoint after its step (``hpc_ckpt_*``), which may be
+    # a validation step, whose validation a resume from it would skip: resumes take last.ckpt.
+    for stopped in work.glob("hpc_ckpt_*"):
+        shutil.rmtree(stopped) if stopped.is_dir() else stopped.unlink()
+    launches = json.loads(launches_file.read_text()) if launches_file.exists() else []
+    launches.append(time.time())
+    launches_file.write_text(json.dumps(launches))
+    return launches
+
+
+def resume_arguments(work: Path, name: str) -> list[str]:
+    """From the last checkpoint, into the same MLflow run."""
+    return ["--ckpt_path=last", f"--trainer.logger.init_args.run_id={run_id(work / 'mlflow.db', name)}"]
+
+
+def earlier_launches_seconds(database: Path, name: str, launches: list[float]) -> float:
+    """Machine seconds of a resumed run's earlier launches: each from its start to the last
+    metric it logged (the steps it ran past its last checkpoint, run again after, count
+    twice; the time between that metric and the stop is not known and not counted)."""
+    if len(launches) == 1:
+        return 0.0
+    identifier = run_id(database, name)
+    return sum(max(0.0, (last_logged(database, identifier, before=after) or start) - start)
+               for start, after in zip(launches, launches[1:]))
 
 
 def validations(work: Path, name: str, *, with_kl: bool) -> list[dict]:
@@ -233,7 +290,7 @@ def main() -> None:
     started = time.perf_counter()
     tasks = ["addition"] if args.long else [args.task] if args.task else list(TASKS)  # long runs: addition only
     for task in tasks:
-        runner = Runner(task, smoke, threads=1 if args.jobs > 1 else None)
+        runner = Runner(task, smoke, threads=1 if args.jobs > 1 else None, long=args.long)
         if args.timing:
             protocol.train(runner, [(m, SWEEPS[m][1], 0) for m in args.methods], "timing")
             continue
