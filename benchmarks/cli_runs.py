@@ -75,12 +75,7 @@ def timed_metric_history(database: Path, run_name: str, key: str) -> list[tuple[
 
 def run_id(database: Path, run_name: str) -> str:
     """The id of the one MLflow run called ``run_name`` (a resume logs into it again)."""
-    with sqlite3.connect(database) as connection:
-        rows = connection.execute("select r.run_uuid from runs r join tags t on t.run_uuid = r.run_uuid "
-                                  "and t.key = 'mlflow.runName' where t.value = ?", (run_name,)).fetchall()
-    if len(rows) != 1:
-        raise SystemExit(f"{database}: {len(rows)} runs are called {run_name!r}")
-    return rows[0][0]
+    return _the_run(database, run_name, "run_uuid")
 
 
 def last_logged(database: Path, run_id: str, before: float) -> float | None:
@@ -93,9 +88,14 @@ def last_logged(database: Path, run_id: str, before: float) -> float | None:
 
 def artifact_folder(database: Path, run_name: str) -> Path:
     """The local folder of the artifacts of the MLflow run called ``run_name``."""
+    return Path(_the_run(database, run_name, "artifact_uri").removeprefix("file://"))
+
+
+def _the_run(database: Path, run_name: str, column: str) -> str:
+    """``column`` of the one run called ``run_name`` in ``database``'s runs table."""
     with sqlite3.connect(database) as connection:
-        rows = connection.execute("select r.artifact_uri from runs r join tags t on t.run_uuid = r.run_uuid "
+        rows = connection.execute(f"select r.{column} from runs r join tags t on t.run_uuid = r.run_uuid "
                                   "and t.key = 'mlflow.runName' where t.value = ?", (run_name,)).fetchall()
     if len(rows) != 1:
         raise SystemExit(f"{database}: {len(rows)} runs are called {run_name!r}")
-    return Path(rows[0][0].removeprefix("file://"))
+    return rows[0][0]
