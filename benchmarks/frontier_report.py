@@ -87,7 +87,12 @@ def summarise(result: dict, task: str) -> dict:
                 sweep.append({"method": method, "setting": runs[0]["setting"], "seeds": [r["seed"] for r in runs],
                               "final_pass_at_1": statistics.mean(r["validations"][-1]["pass_at_1"] for r in runs),
                               "final_kl_from_init": statistics.median(r["validations"][-1]["kl_from_init"] for r in runs),
-                              "median_step_kl": statistics.median(v for r in runs for _, v, _ in r["step_kl"]),
+                              # LoGRA makes no update on a step whose advantages are all 0; dense's
+                              # and LoRA's moments still move theirs: the median is over steps that moved.
+                              "median_step_kl": statistics.median([v for r in runs for _, v, _ in r["step_kl"] if v > 0]
+                                                                  or [0.0]),
+                              "steps_still": sum(v == 0 for r in runs for _, v, _ in r["step_kl"]),
+                              "steps": sum(len(r["step_kl"]) for r in runs),
                               "median_run_s": statistics.median(r["seconds"] for r in runs)})
     timing = {r["method"]: r["step_s"] for r in result["runs"] if r["task"] == task and r["kind"] == "timing"}
     seconds = sum(r["seconds"] for r in result["runs"] if r["task"] == task) + sum(u["seconds"] for u in untrained.values())
@@ -122,11 +127,11 @@ def render(result: dict) -> str:
                   + "; ".join(f"{LABELS[m]}: {', '.join(map(str, seeds)) or 'none'}"
                               for m, seeds in summary["method_seeds"].items())
                   + "), each pair on the seeds both have.", "",
-                  "| method | setting | seeds | final pass@1 (mean) | KL from init, final (median) | step KL (median) | run s (median) |",
-                  "|---|---|---|---:|---:|---:|---:|"]
+                  "| method | setting | seeds | final pass@1 (mean) | KL from init, final (median) | step KL (median over steps that moved) | steps that did not move | run s (median) |",
+                  "|---|---|---|---:|---:|---:|---:|---:|"]
         lines += [f"| {LABELS[s['method']]} | {s['setting']} | {', '.join(map(str, s['seeds']))} | "
                   f"{s['final_pass_at_1']:.3f} | {s['final_kl_from_init']:.2e} | {s['median_step_kl']:.2e} | "
-                  f"{s['median_run_s']:.0f} |" for s in summary["sweep"]]
+                  f"{s['steps_still']} of {s['steps']} | {s['median_run_s']:.0f} |" for s in summary["sweep"]]
         if summary["levels"]:
             lines += ["", "Gain over the untrained model on each method's frontier (points of pass@1, [95% bootstrap]), "
                           "and the step size it takes there:", "",
