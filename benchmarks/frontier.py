@@ -62,9 +62,9 @@ from .cli_runs import (artifact_folder, fresh_work, kept_work, last_logged, mlfl
                        timed_metric_history)
 from .harness import (argument_parser, check_smoke_out, code_version, command_line, load_json, machine_info, save_json,
                       write_outputs)
-from .frontier_protocol import (LONG_CHECKPOINT_EVERY, LONG_SEED, LONG_STEPS, LONG_VAL_EVERY, METHODS, SEEDS, STEPS, SWEEPS, TASKS,
-                                TIMING_STEPS, VAL_EVERY, VAL_SAMPLES, chosen_value, config_of, method_overrides,
-                                setting)
+from .frontier_protocol import (LONG_CHECKPOINT_EVERY, LONG_SEED, LONG_STEPS, LONG_VAL_EVERY, METHODS, SEEDS, STEPS,
+                                SWEEPS, TASKS, TIMING_STEPS, VAL_EVERY, VAL_SAMPLES, chosen_value, config_of,
+                                method_overrides, setting)
 from .frontier_report import method_seeds, plot, render
 from .quality_matched import digest
 
@@ -127,7 +127,7 @@ class Runner:
         if kind == "long":
             work = self.root / name
             command += checkpointing(work, self.smoke.get("long_checkpoint_every", LONG_CHECKPOINT_EVERY))
-            launches = record_launch(work, name)
+            launches = record_launch(work)
             command += resume_arguments(work, name) if len(launches) > 1 else []
         work, seconds = self.launch(command, name, append=len(launches) > 1)
         database = work / "mlflow.db"
@@ -156,7 +156,7 @@ def checkpointing(work: Path, every: int) -> list[str]:
             "--trainer.callbacks.save_top_k=0", "--trainer.callbacks.save_last=true"]
 
 
-def record_launch(work: Path, name: str) -> list[float]:
+def record_launch(work: Path) -> list[float]:
     """The wall clocks (epoch seconds) at which the run in ``work`` was launched, this one
     last. A run stopped before its first checkpoint starts over: its folder is emptied."""
     launches_file = work / "launches.json"

@@ -21,13 +21,13 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_over_and_one_after_it_
     work = tmp_path / "run"
     work.mkdir()
     (work / "run.log").write_text("a launch stopped before step 7")
-    assert len(frontier.record_launch(work, "run")) == 1
+    assert len(frontier.record_launch(work)) == 1
     assert not (work / "run.log").exists()  # emptied: its MLflow run would share the name
 
     (work / "checkpoints" / "last.ckpt").mkdir(parents=True)
     (work / "hpc_ckpt_1.ckpt").mkdir()
     (work / "hpc_ckpt_2.ckpt").write_bytes(b"")
-    launches = frontier.record_launch(work, "run")
+    launches = frontier.record_launch(work)
     assert len(launches) == 2 and json.loads((work / "launches.json").read_text()) == launches
     assert (work / "checkpoints" / "last.ckpt").exists() and not list(work.glob("hpc_ckpt_*"))
 
