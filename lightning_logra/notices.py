@@ -36,6 +36,17 @@ def quiet_eval_mode_notice_for_frozen(module: nn.Module, frozen: list[nn.Module]
         )
 
 
+def quiet_manual_optimization_checkpoint_notice() -> None:
+    """Lightning 2.6's ``ModelCheckpoint(every_n_train_steps=...)`` warns at every save of a
+    module with manual optimization that the checkpoint holds the weights after the step.
+    For ``GRPOModule`` that is the resume point (resumed runs match uninterrupted ones bit
+    for bit), so the notice, which suggests copying the weights every step, is dropped."""
+    warnings.filterwarnings(
+        "ignore", message="Using ModelCheckpoint with manual optimization and every_n_train_steps",
+        category=UserWarning,
+    )
+
+
 # Lightning's console lines that the ``logra`` command's users cannot act on: an
 # advertisement for a cloud logger, and the note that a model summary callback is already
 # configured (the command adds LoGRAModelSummary itself).

@@ -34,7 +34,7 @@ from lightning_logra.modules.grpo_sampling import RolloutSampling
 from lightning_logra.modules.grpo_validation import PassAtNValidation
 from lightning_logra.modules.multi_turn import build_multi_turn
 from lightning_logra.modules.prompt_checks import check_answer_column, check_tests_column, drop_prompts_past_positions
-from lightning_logra.notices import quiet_eval_mode_notice_for_frozen
+from lightning_logra.notices import quiet_eval_mode_notice_for_frozen, quiet_manual_optimization_checkpoint_notice
 from lightning_logra.rewards.config import RewardConfig
 from lightning_logra.rewards.runner import RewardRunner
 from lightning_logra.rollout.config import RolloutConfig
@@ -231,8 +231,10 @@ class GRPOModule(RolloutSampling, PassAtNValidation, L.LightningModule):
     def on_fit_start(self) -> None:
         """With ``batching.micro_batch_tokens``, refuse a policy whose packed log-probs differ
         from its padded ones (``check_packing``), once the strategy has placed and filled it.
-        The frozen reference's eval mode is by design: Lightning's notice of it is dropped."""
+        The frozen reference's eval mode is by design, and a checkpoint after the step is the
+        resume point: Lightning's notices of either are dropped."""
         quiet_eval_mode_notice_for_frozen(self, [self.reference] if self.reference is not None else [])
+        quiet_manual_optimization_checkpoint_notice()
         if self.batching.micro_batch_tokens is None:
             return
         check_packing(self.policy, any_rank=lambda flag: any_rank(flag, self.device))

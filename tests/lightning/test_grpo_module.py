@@ -4,6 +4,7 @@ import re
 import warnings
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 import pytest
 import torch
 
@@ -123,6 +124,18 @@ def test_a_frozen_reference_raises_no_eval_mode_notice_but_a_policy_module_left_
     notices = eval_mode_notices(grpo, model_folder, callbacks=[PolicyNormInEval()])
     reference_modules = sum(1 for _ in grpo.reference.modules())
     assert len(notices) == 1 and notices[0].startswith(f"Found {reference_modules + 1} module(s) in eval mode")
+
+
+def test_step_checkpoints_raise_no_notice_about_the_state_after_the_step(model_folder, tmp_path):
+    grpo = grpo_module(model_folder)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path,
+                  callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_last=True)]
+                  ).fit(grpo, prompt_data(model_folder))
+    assert (tmp_path / "last.ckpt").exists()
+    assert not [w for w in caught if "manual optimization and every_n_train_steps" in str(w.message)]
 
 
 def test_lora_changes_only_the_adapters(model_folder):
