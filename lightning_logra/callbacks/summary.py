@@ -16,7 +16,8 @@ GIB = 2**30
 
 
 class RunSummary(Callback):
-    """Prints reward before/after (mean of the first and last ``window`` steps), the last
+    """Prints reward before/after (mean of the first and last ``window`` steps this launch ran;
+    a resumed run counts from its checkpoint's step), the last
     validation scores, peak memory, and LoGRA's state beside its dense-AdamW equivalent,
     at the end of fit, and when a SIGTERM stops the run (with the checkpoint that
     ``PreemptionCheckpoint`` saved, if any)."""
@@ -25,11 +26,13 @@ class RunSummary(Callback):
         self.window = window
         self.rewards: list[float] = []
         self._started = 0.0
+        self._first_step = 0
         self._recorded_step: int | None = None
 
     @override
     def on_train_start(self, trainer, pl_module) -> None:
         self._started = time.perf_counter()
+        self._first_step = trainer.global_step  # above 0 when resumed from a checkpoint
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -63,7 +66,9 @@ class RunSummary(Callback):
 
     def render(self, trainer) -> str:
         metrics = trainer.callback_metrics
-        lines = [f"Run summary: {trainer.global_step} steps in {time.perf_counter() - self._started:.0f} s"]
+        steps = trainer.global_step - self._first_step
+        resumed = f" (resumed at step {self._first_step}, now at {trainer.global_step})" if self._first_step else ""
+        lines = [f"Run summary: {steps} steps in {time.perf_counter() - self._started:.0f} s{resumed}"]
         if self.rewards:
             window = min(self.window, len(self.rewards))
             first = sum(self.rewards[:window]) / window

@@ -5,6 +5,7 @@ ranks: tests/integration/test_preemption.py.)"""
 
 import logging
 import os
+import re
 import stat
 import warnings
 
@@ -64,7 +65,11 @@ def test_sigterm_during_a_step_checkpoints_its_end_and_the_resume_equals_an_unin
     assert checkpoint_step(checkpoint) == 2
     assert "Run summary: 2 steps" in caplog.text
     assert f"stopped by SIGTERM after step 2: checkpoint {checkpoint} (resume with --ckpt_path=hpc" in caplog.text
-    assert_same_training(run(root, max_steps=4, ckpt_path="hpc"), uninterrupted)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=SUMMARY_LOGGER):
+        resumed = run(root, max_steps=4, ckpt_path="hpc", callbacks=[RunSummary()])
+    assert_same_training(resumed, uninterrupted)
+    assert re.search(r"Run summary: 2 steps in \d+ s \(resumed at step 2, now at 4\)", caplog.text), caplog.text
 
 
 def test_sigterm_during_validation_checkpoints_its_end(tmp_path):
