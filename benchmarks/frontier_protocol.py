@@ -20,6 +20,9 @@ LONG_STEPS, LONG_VAL_EVERY, LONG_SEED = 300, 50, 0
 # Prime to LONG_VAL_EVERY, so no checkpoint before step 350 falls on a validation step:
 # resumed from a checkpoint saved at a step's end, Lightning 2.6 skips that step's validation.
 LONG_CHECKPOINT_EVERY = 7
+# The long runs' time to a target reward: the first step at which the mean training reward
+# of the last LONG_REWARD_WINDOW steps reaches each level (fixed before the runs ended).
+LONG_REWARD_WINDOW, LONG_REWARD_LEVELS = 20, (0.5, 0.6, 0.7, 0.8)
 SEEDS = (0, 1, 2, 3, 4)
 TIMING_STEPS = 8
 
@@ -100,6 +103,16 @@ def at_level(path: list[tuple[float, list[float]]], level: float) -> list[float]
         if kl_before < level <= kl_after:
             weight = (level - kl_before) / (kl_after - kl_before)
             return [(1 - weight) * b + weight * a for b, a in zip(before, after)]
+    return None
+
+
+def steps_to_reward(rewards: list[tuple[int, float, float]], level: float, window: int = LONG_REWARD_WINDOW) -> int | None:
+    """The first step whose trailing ``window``-step mean of ``rewards`` ((step, reward,
+    seconds), in step order) reaches ``level``; None if it never does."""
+    values = [reward for _, reward, _ in rewards]
+    for end in range(window, len(values) + 1):
+        if statistics.mean(values[end - window:end]) >= level:
+            return rewards[end - 1][0]
     return None
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .frontier_protocol import (LABELS, LEVELS, METHODS, PAIRS, SWEEPS, TARGETS, TASKS, VAL_SAMPLES, chosen_value,
-                                frontier_point, runs_of, untrained_of)
+from .frontier_protocol import (LABELS, LEVELS, LONG_REWARD_LEVELS, LONG_REWARD_WINDOW, METHODS, PAIRS, SWEEPS, TARGETS,
+                                TASKS, VAL_SAMPLES, chosen_value, frontier_point, runs_of, steps_to_reward, untrained_of)
 from .harness import code_line, cpu_caption, machine_line, pyplot, save_figure
 from .paired_stats import bootstrap_interval, crossed_bootstrap_interval, seed_mean, t_interval
 
@@ -165,15 +165,24 @@ def render(result: dict) -> str:
             lines += ["", "Seconds per step, each method alone (`--timing`): "
                       + ", ".join(f"{LABELS[m]} {s:.2f}" for m, s in summary["timing"].items()) + "."]
         lines += ["", f"Machine time of this task so far: {summary['machine_seconds'] / 3600:.2f} h.", ""]
-    long_runs = [r for r in result["runs"] if r["kind"] == "long"]
+    long_runs = [r for r in result["runs"] if r["kind"] == "long"]  # their seconds are in their task's
     if long_runs:
-        lines += ["### Long runs (addition, seed 0)", "", "| method | setting | steps | pass@1 by validation | KL from init, final | run s |",
-                  "|---|---|---:|---|---:|---:|"]
+        timing = summarise(result, long_runs[0]["task"])["timing"]
+        levels = " / ".join(f"{level:g}" for level in LONG_REWARD_LEVELS)
+        lines += ["### Long runs (addition, seed 0)", "",
+                  f"Time to a target reward: the first step at which the mean training reward of the last "
+                  f"{LONG_REWARD_WINDOW} steps reaches {levels}, and that many steps at the method's seconds per "
+                  "step timed alone (`--timing`; validations not counted).", "",
+                  f"| method | setting | steps | pass@1 by validation | KL from init by validation | steps to reward {levels} "
+                  f"| seconds alone to reward {levels} | run s |", "|---|---|---:|---|---|---|---|---:|"]
         for r in long_runs:
-            curve = " ".join(f"{v['pass_at_1']:.2f}" for v in r["validations"])
-            lines.append(f"| {LABELS[r['method']]} | {r['setting']} | {r['steps']} | {curve} | "
-                         f"{r['validations'][-1]['kl_from_init']:.2e} | {r['seconds']:.0f} |")
-        total += sum(r["seconds"] for r in long_runs)
+            curve = " ".join(f"{v['pass_at_1']:.3f}" for v in r["validations"])
+            kl = " ".join(f"{v['kl_from_init']:.2f}" for v in r["validations"])
+            reached = [steps_to_reward(r["reward_mean"], level) for level in LONG_REWARD_LEVELS]
+            step_s = timing.get(r["method"])
+            alone = " / ".join("-" if s is None else f"{s * step_s:.0f}" for s in reached) if step_s else "no --timing yet"
+            lines.append(f"| {LABELS[r['method']]} | {r['setting']} | {r['steps']} | {curve} | {kl} | "
+                         f"{' / '.join('-' if s is None else str(s) for s in reached)} | {alone} | {r['seconds']:.0f} |")
         lines.append("")
     lines += [f"Machine time so far: {total / 3600:.2f} h (target at most {TARGETS['machine_hours']:g} h in all; runs "
               "side by side count their own wall clock each)."]
@@ -193,7 +202,12 @@ def mean_curve(runs: list[dict], x) -> tuple[list[float], list[float], list[floa
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
     tasks = [t for t in TASKS if untrained_of(result, t)]
-    rows = len(tasks) + bool([r for r in result["runs"] if r["kind"] == "long"])
+    long_runs = [r for r in result["runs"] if r["kind"] == "long"]
+    long_timing = summarise(result, long_runs[0]["task"])["timing"] if long_runs else {}
+    # The long runs: a row against steps, and one against seconds once every method in them is timed.
+    long_axes = [("step", None)] + ([("seconds alone (steps x seconds per step, --timing)", long_timing)]
+                                    if long_runs and all(r["method"] in long_timing for r in long_runs) else [])
+    rows = len(tasks) + (len(long_axes) if long_runs else 0)
     figure, axes = plt.subplots(max(rows, 1), 3, figsize=(17, 4.2 * max(rows, 1)), squeeze=False)
     for row, task in zip(axes, tasks):
         summary = summarise(result, task)
@@ -239,20 +253,23 @@ def plot(result: dict, path: Path) -> None:
             axis.axhline(untrained, color="grey", linestyle=":", linewidth=0.8)  # mean over every seed
         row[0].legend(fontsize=7)
         row[1].legend(fontsize=7)
-    long_runs = [r for r in result["runs"] if r["kind"] == "long"]
-    if long_runs:
-        row = axes[len(tasks)]
+    for row, (xlabel, timing) in zip(axes[len(tasks):] if long_runs else [], long_axes):
         for run in long_runs:
+            scale = timing[run["method"]] if timing else 1.0
             colour, label = COLOURS[run["method"]], f"{LABELS[run['method']]} {run['setting']}"
-            row[0].plot([s for s, _, _ in run["reward_mean"]], [v for _, v, _ in run["reward_mean"]], color=colour,
-                        alpha=0.7, linewidth=0.8, label=label)
-            row[1].plot([v["step"] for v in run["validations"]], [v["pass_at_1"] for v in run["validations"]],
+            steps = [s for s, _, _ in run["reward_mean"]]
+            rewards = [v for _, v, _ in run["reward_mean"]]
+            trailing = [statistics.mean(rewards[max(0, i + 1 - LONG_REWARD_WINDOW):i + 1]) for i in range(len(rewards))]
+            row[0].plot([s * scale for s in steps], rewards, color=colour, alpha=0.25, linewidth=0.6)
+            row[0].plot([s * scale for s in steps], trailing, color=colour, linewidth=1.6, label=label)
+            untrained = untrained_of(result, run["task"])[run["seed"]]["pass_at_1"]  # step 0
+            row[1].plot([0.0] + [v["step"] * scale for v in run["validations"]],
+                        [untrained] + [v["pass_at_1"] for v in run["validations"]], color=colour, marker="o", label=label)
+            row[2].plot([v["step"] * scale for v in run["validations"]], [v["kl_from_init"] for v in run["validations"]],
                         color=colour, marker="o", label=label)
-            row[2].plot([v["step"] for v in run["validations"]], [v["kl_from_init"] for v in run["validations"]],
-                        color=colour, marker="o", label=label)
-        row[0].set(xlabel="step", ylabel="long runs: training reward")
-        row[1].set(xlabel="step", ylabel="validation pass@1")
-        row[2].set(xlabel="step", ylabel="KL from init", yscale="log")
+        row[0].set(xlabel=xlabel, ylabel=f"long runs: training reward\n(faint: each step; line: last {LONG_REWARD_WINDOW})")
+        row[1].set(xlabel=xlabel, ylabel="validation pass@1")
+        row[2].set(xlabel=xlabel, ylabel="KL from init", yscale="log")
         row[0].legend(fontsize=7)
     save_figure(figure, path, "GRPO, SmolLM2-135M-Instruct, reward-vs-KL frontier: faint lines = each step size "
                               "(mean over seeds), dots = the frontier at fixed KL [95% bootstrap], bands = seeds' range - "

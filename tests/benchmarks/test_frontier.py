@@ -123,3 +123,31 @@ def test_t_interval_over_seed_means():
     assert statistics.mean([low, high]) == pytest.approx(4.0)
     with pytest.raises(ValueError, match="two seeds"):
         t_interval([[1.0]])
+
+
+def test_steps_to_reward_is_the_first_step_whose_trailing_mean_reaches_the_level():
+    rewards = [(step, value, 0.0) for step, value in enumerate([0.0, 0.0, 1.0, 1.0, 0.0, 1.0], start=1)]
+    assert fp.steps_to_reward(rewards, 0.5, window=2) == 3  # steps 2-3: 0.5
+    assert fp.steps_to_reward(rewards, 1.0, window=2) == 4  # steps 3-4
+    assert fp.steps_to_reward(rewards, 0.6, window=3) == 4  # steps 2-4: 0.67
+    assert fp.steps_to_reward(rewards, 0.7, window=3) is None  # no 3 steps reach it
+    assert fp.steps_to_reward(rewards, 0.7, window=4) == 6  # steps 3-6: 0.75
+    assert fp.steps_to_reward(rewards[:1], 0.0, window=2) is None  # fewer steps than the window
+
+
+def test_the_long_runs_report_time_to_each_reward_and_count_their_seconds_once():
+    gains = {(m, v): 0.25 for m, values in fp.SWEEPS.items() for v in values}
+    kl = {(m, v): 1e-3 for m, values in fp.SWEEPS.items() for v in values}
+    result = fake_result(gains, kl)
+    before = render(result)
+    rewards = [(step, min(1.0, step / 100), 0.0) for step in range(1, 301)]  # trailing 20-step mean: (step - 9.5) / 100
+    result["runs"].append({"task": "addition", "kind": "long", "method": "logra", "value": 0.01, "setting": "budget=0.01",
+                           "seed": 0, "steps": 300, "seconds": 3600.0, "reward_mean": rewards, "step_kl": [],
+                           "validations": [{"step": 300, "pass_at_1": 0.5, "kl_from_init": 0.25}]})
+    text = render(result)
+    assert "| LoGRA | budget=0.01 | 300 | 0.500 | 0.25 | 60 / 70 / 80 / 90 | no --timing yet | 3600 |" in text
+    hours = [float(t.split("Machine time so far: ")[1].split(" h")[0]) for t in (before, text)]
+    assert hours[1] - hours[0] == pytest.approx(1.0, abs=0.01)  # the long run's hour, once
+    result["runs"].append({"task": "addition", "kind": "timing", "method": "logra", "value": 0.01, "seed": 0,
+                           "steps": 8, "seconds": 0.0, "step_s": 2.0, "reward_mean": [], "step_kl": []})
+    assert "| 60 / 70 / 80 / 90 | 120 / 140 / 160 / 180 | 3600 |" in render(result)
