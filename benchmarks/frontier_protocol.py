@@ -106,14 +106,18 @@ def at_level(path: list[tuple[float, list[float]]], level: float) -> list[float]
     return None
 
 
-def steps_to_reward(rewards: list[tuple[int, float, float]], level: float, window: int = LONG_REWARD_WINDOW) -> int | None:
-    """The first step whose trailing ``window``-step mean of ``rewards`` ((step, reward,
-    seconds), in step order) reaches ``level``; None if it never does."""
+def trailing_means(rewards: list[tuple[int, float, float]], window: int = LONG_REWARD_WINDOW) -> list[float]:
+    """At each of ``rewards`` ((step, reward, seconds), in step order), the mean reward of the
+    last ``window`` steps (of fewer, before the ``window``-th)."""
     values = [reward for _, reward, _ in rewards]
-    for end in range(window, len(values) + 1):
-        if statistics.mean(values[end - window:end]) >= level:
-            return rewards[end - 1][0]
-    return None
+    return [statistics.mean(values[max(0, end - window):end]) for end in range(1, len(values) + 1)]
+
+
+def steps_to_reward(rewards: list[tuple[int, float, float]], level: float, window: int = LONG_REWARD_WINDOW) -> int | None:
+    """The first step whose trailing ``window``-step mean of ``rewards`` reaches ``level``
+    (only full windows count); None if it never does."""
+    means = trailing_means(rewards, window)
+    return next(((step for (step, _, _), mean in zip(rewards[window - 1:], means[window - 1:]) if mean >= level)), None)
 
 
 def runs_of(result: dict, task: str, method: str, value: float | None = None, kind: str = "sweep") -> list[dict]:

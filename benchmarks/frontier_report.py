@@ -9,7 +9,8 @@ import statistics
 from pathlib import Path
 
 from .frontier_protocol import (LABELS, LEVELS, LONG_REWARD_LEVELS, LONG_REWARD_WINDOW, METHODS, PAIRS, SWEEPS, TARGETS,
-                                TASKS, VAL_SAMPLES, chosen_value, frontier_point, runs_of, steps_to_reward, untrained_of)
+                                TASKS, VAL_SAMPLES, chosen_value, frontier_point, runs_of, steps_to_reward,
+                                trailing_means, untrained_of)
 from .harness import code_line, cpu_caption, machine_line, pyplot, save_figure
 from .paired_stats import bootstrap_interval, crossed_bootstrap_interval, seed_mean, t_interval
 
@@ -41,6 +42,11 @@ def gains_at(result: dict, task: str, method: str, level: float, seeds: list[int
     untrained = untrained_of(result, task)
     return point, [[v - c / VAL_SAMPLES for v, c in zip(values, untrained[s]["correct"])]
                    for s, values in zip(seeds, point["per_seed"])]
+
+
+def timing_of(result: dict, task: str) -> dict[str, float]:
+    """Each method's seconds per step on ``task``, timed alone (``--timing``)."""
+    return {r["method"]: r["step_s"] for r in result["runs"] if r["task"] == task and r["kind"] == "timing"}
 
 
 def summarise(result: dict, task: str) -> dict:
@@ -94,7 +100,7 @@ def summarise(result: dict, task: str) -> dict:
                               "steps_still": sum(v == 0 for r in runs for _, v, _ in r["step_kl"]),
                               "steps": sum(len(r["step_kl"]) for r in runs),
                               "median_run_s": statistics.median(r["seconds"] for r in runs)})
-    timing = {r["method"]: r["step_s"] for r in result["runs"] if r["task"] == task and r["kind"] == "timing"}
+    timing = timing_of(result, task)
     seconds = sum(r["seconds"] for r in result["runs"] if r["task"] == task) + sum(u["seconds"] for u in untrained.values())
     # The seeds with every method's runs (all 5 once the protocol is in).
     complete = sorted(set.intersection(*(set(seeds) for seeds in seeds_of.values())))
@@ -167,7 +173,7 @@ def render(result: dict) -> str:
         lines += ["", f"Machine time of this task so far: {summary['machine_seconds'] / 3600:.2f} h.", ""]
     long_runs = [r for r in result["runs"] if r["kind"] == "long"]  # their seconds are in their task's
     if long_runs:
-        timing = summarise(result, long_runs[0]["task"])["timing"]
+        timing = timing_of(result, long_runs[0]["task"])
         levels = " / ".join(f"{level:g}" for level in LONG_REWARD_LEVELS)
         lines += ["### Long runs (addition, seed 0)", "",
                   f"Time to a target reward: the first step at which the mean training reward of the last "
@@ -203,11 +209,13 @@ def plot(result: dict, path: Path) -> None:
     plt = pyplot()
     tasks = [t for t in TASKS if untrained_of(result, t)]
     long_runs = [r for r in result["runs"] if r["kind"] == "long"]
-    long_timing = summarise(result, long_runs[0]["task"])["timing"] if long_runs else {}
     # The long runs: a row against steps, and one against seconds once every method in them is timed.
-    long_axes = [("step", None)] + ([("seconds alone (steps x seconds per step, --timing)", long_timing)]
-                                    if long_runs and all(r["method"] in long_timing for r in long_runs) else [])
-    rows = len(tasks) + (len(long_axes) if long_runs else 0)
+    long_axes = []
+    if long_runs:
+        long_timing = timing_of(result, long_runs[0]["task"])
+        long_axes = [("step", None)] + ([("seconds alone (steps x seconds per step, --timing)", long_timing)]
+                                        if all(r["method"] in long_timing for r in long_runs) else [])
+    rows = len(tasks) + len(long_axes)
     figure, axes = plt.subplots(max(rows, 1), 3, figsize=(17, 4.2 * max(rows, 1)), squeeze=False)
     for row, task in zip(axes, tasks):
         summary = summarise(result, task)
@@ -253,15 +261,13 @@ def plot(result: dict, path: Path) -> None:
             axis.axhline(untrained, color="grey", linestyle=":", linewidth=0.8)  # mean over every seed
         row[0].legend(fontsize=7)
         row[1].legend(fontsize=7)
-    for row, (xlabel, timing) in zip(axes[len(tasks):] if long_runs else [], long_axes):
+    for row, (xlabel, timing) in zip(axes[len(tasks):], long_axes):
         for run in long_runs:
             scale = timing[run["method"]] if timing else 1.0
             colour, label = COLOURS[run["method"]], f"{LABELS[run['method']]} {run['setting']}"
-            steps = [s for s, _, _ in run["reward_mean"]]
-            rewards = [v for _, v, _ in run["reward_mean"]]
-            trailing = [statistics.mean(rewards[max(0, i + 1 - LONG_REWARD_WINDOW):i + 1]) for i in range(len(rewards))]
-            row[0].plot([s * scale for s in steps], rewards, color=colour, alpha=0.25, linewidth=0.6)
-            row[0].plot([s * scale for s in steps], trailing, color=colour, linewidth=1.6, label=label)
+            steps = [s * scale for s, _, _ in run["reward_mean"]]
+            row[0].plot(steps, [v for _, v, _ in run["reward_mean"]], color=colour, alpha=0.25, linewidth=0.6)
+            row[0].plot(steps, trailing_means(run["reward_mean"]), color=colour, linewidth=1.6, label=label)
             untrained = untrained_of(result, run["task"])[run["seed"]]["pass_at_1"]  # step 0
             row[1].plot([0.0] + [v["step"] * scale for v in run["validations"]],
                         [untrained] + [v["pass_at_1"] for v in run["validations"]], color=colour, marker="o", label=label)
