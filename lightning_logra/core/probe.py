@@ -22,7 +22,7 @@ from torch import nn
 from lightning_logra.core.kl import kl_per_position, measured_kl, measured_kl_per_position
 from lightning_logra.core.probe_batch import ProbeBatch
 from lightning_logra.core.probe_modules import chunks, eval_mode, probe_mode
-from lightning_logra.core.projected_input import SharedProjectedInput, project
+from lightning_logra.core.projected_input import SharedProjectedInput, linear_input, project
 from lightning_logra.core.projection import Projection
 from lightning_logra.core.reshard import reshard
 
@@ -88,7 +88,7 @@ def probe_predicted_kl(
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     with probe_mode(model, position_chunk, mlp_chunk), fwAD.dual_level():
-        handles = [layer.module.register_forward_hook(_tangent_hook(layer)) for layer in layers]
+        handles = [layer.module.register_forward_hook(_tangent_hook(layer), with_kwargs=True) for layer in layers]
         try:
             for inputs, scored, weights in _forwards(batch, max_tokens, process_group):
                 weights = None if weights is None else weights[scored]
@@ -170,12 +170,12 @@ def _forwards(batch: ProbeBatch, max_tokens: int | None, process_group: dist.Pro
 
 
 def _tangent_hook(layer: ProbeLayer):
-    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
         primal, tangent = fwAD.unpack_dual(output)
         # The output's dtype, not the input's: under autocast a float32 input gives a
         # bfloat16 output, and the in-place update below does not autocast.
         dtype = primal.dtype
-        inputs = fwAD.unpack_dual(args[0]).primal.to(dtype)
+        inputs = fwAD.unpack_dual(linear_input(args, kwargs)).primal.to(dtype)
         projected = (project(inputs, layer.projection.matrix()) if layer.shared is None
                      else layer.shared.project(inputs, layer.projection))
         direction = layer.full_direction().to(dtype)

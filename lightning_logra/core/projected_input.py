@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
@@ -43,6 +44,11 @@ def projection_groups(targets: Sequence[tuple[str, nn.Linear]]) -> list[list[int
         key = ("shared", parent, module.in_features, listed) if listed is not None else ("own", name)
         groups.setdefault(key, []).append(index)
     return list(groups.values())
+
+
+def linear_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """X of an ``nn.Linear`` call as a ``with_kwargs`` hook sees it: positional or ``input=``."""
+    return args[0] if args else kwargs["input"]
 
 
 def project(inputs: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:

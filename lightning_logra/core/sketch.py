@@ -31,6 +31,7 @@ from lightning_logra.core.config import LoGRAConfig
 from lightning_logra.core.projected_input import (
     AutocastState,
     SharedProjectedInput,
+    linear_input,
     project,
     projection_groups,
     under_activation_checkpointing,
@@ -195,19 +196,26 @@ def add_outer(sketch: torch.Tensor, grad_rows: torch.Tensor, projected: torch.Te
         sketch.addmm_(grad_rows.T.to(sketch.dtype), projected.to(sketch.dtype))
 
 
-def _keep_input_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+def _keep_input_hook(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """Under activation checkpointing, save X before the matmul (see the module docstring).
     An input that needs no grad gets no autograd node: ``_sketch_hook`` saves X itself."""
-    if not torch.is_grad_enabled() or not args[0].requires_grad or not under_activation_checkpointing():
+    inputs = linear_input(args, kwargs)
+    if not torch.is_grad_enabled() or not inputs.requires_grad or not under_activation_checkpointing():
         return None
-    return (_KeepInput.apply(args[0]), *args[1:])
+    if args:
+        return (_KeepInput.apply(inputs), *args[1:]), kwargs
+    return args, {**kwargs, "input": _KeepInput.apply(inputs)}
 
 
 def _sketch_hook(state: SketchState):
-    def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
+    def hook(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor,
+    ) -> torch.Tensor | None:
         if not torch.is_grad_enabled():
             return None
-        inputs = args[0]
+        inputs = linear_input(args, kwargs)
         if not output.requires_grad:
             # Frozen weight and an input that needs no grad (first layer, frozen
             # embeddings): anchor the output here so backward still reaches this layer,
@@ -309,8 +317,8 @@ def install_sketches(
             projection_name=projection_name,
             shared_input=shared,
         )
-        state.handles.append(module.register_forward_pre_hook(_keep_input_hook))
-        state.handles.append(module.register_forward_hook(_sketch_hook(state)))
+        state.handles.append(module.register_forward_pre_hook(_keep_input_hook, with_kwargs=True))
+        state.handles.append(module.register_forward_hook(_sketch_hook(state), with_kwargs=True))
         states.append(state)
         offset += size
     return SketchSet(states=states, buffer=buffer)

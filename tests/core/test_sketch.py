@@ -145,3 +145,25 @@ def test_sketches_share_one_flat_float32_buffer():
     assert sketches.buffer[12 * RANK :].eq(2.0).all()
     sketches.zero_()
     assert sketches.buffer.eq(0).all()
+
+
+class _KeywordCalledLinear(nn.Linear):
+    """An nn.Linear that its parent calls as ``layer(input=x)``: hooks see X in kwargs."""
+
+    def __call__(self, x):
+        return super().__call__(input=x)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "activation-checkpointing"])
+def test_a_target_called_with_input_as_a_keyword_gets_the_same_sketch(checkpointed):
+    sketched = []
+    for keyword in (False, True):
+        _, logra = _pair(checkpointed)
+        if keyword:
+            logra.up_proj.__class__ = logra.down_proj.__class__ = _KeywordCalledLinear
+        sketches = install_sketches(logra, LoGRAConfig(rank=RANK, target_modules=["up_proj", "down_proj"]))
+        for tokens in _micro_batches():
+            logra(tokens).square().sum().backward()
+        sketched.append([state.sketch.clone() for state in sketches])
+    for keyword, positional in zip(*reversed(sketched)):
+        assert positional.abs().sum() > 0 and torch.equal(keyword, positional)

@@ -164,3 +164,26 @@ def test_resuming_with_other_tuning_fields_warns_with_old_and_new_values():
     with pytest.warns(UserWarning, match=r"changed settings: update_ratio: 0.01 -> 0.005; kl_budget: 0.0001 -> 0.0003$"):
         changed.load_state_dict(optimizer.state_dict())
     assert changed.update_count == 1 and changed.param_groups[0]["lr"] == 5e-3
+
+
+class _KeywordCalledLinear(torch.nn.Linear):
+    """An nn.Linear that its parent calls as ``layer(input=x)``: hooks see X in kwargs."""
+
+    def __call__(self, x):
+        return super().__call__(input=x)
+
+
+def test_targets_called_with_input_as_a_keyword_step_bit_for_bit_the_same():
+    """The sketch and the probe's tangent read X from ``input=`` when a model passes it so."""
+    positional_model, positional = qwen2_and_optimizer()
+    batch = backward(positional_model, positional, 0)
+    expected = positional.step(logra_inputs=LoGRAStepInputs(probe=ProbeBatch.from_token_batch(batch)), measure_kl=True)
+    keyword_model, keyword = qwen2_and_optimizer()
+    for state in keyword.sketches:
+        state.module.__class__ = _KeywordCalledLinear
+    backward(keyword_model, keyword, 0)
+    report = keyword.step(logra_inputs=LoGRAStepInputs(probe=ProbeBatch.from_token_batch(batch)), measure_kl=True)
+    assert report.predicted_kl > 0 and report.predicted_kl == expected.predicted_kl
+    assert report.measured_kl == expected.measured_kl
+    for got, want in zip(weights(keyword), weights(positional)):
+        assert torch.equal(got, want)
