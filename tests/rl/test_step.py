@@ -1,7 +1,6 @@
 """rl/step.py: the one update function GRPOModule and the benchmarks both run, and the one
 AdamW both build."""
 
-import pytest
 import torch
 
 from lightning_logra.core.config import LoGRAConfig
