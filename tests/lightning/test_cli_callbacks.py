@@ -1,6 +1,9 @@
 """The `logra` command adds our progress bar and model summary when the Trainer's flags leave
 them on and the config lists none of their kind; a flag that turns one off is obeyed."""
 
+import sys
+from unittest import mock
+
 import pytest
 from lightning.pytorch.callbacks import TQDMProgressBar
 
@@ -8,6 +11,7 @@ from lightning_logra.callbacks import LoGRAModelSummary, StepProgressBar
 from lightning_logra.cli import LoGRACLI
 
 CONFIG = """
+seed_everything: 0
 trainer:
   accelerator: cpu
   devices: 1
@@ -25,7 +29,9 @@ model:
 def callbacks_of(tmp_path, *overrides, listed="[]"):
     config = tmp_path / "config.yaml"
     config.write_text(CONFIG.format(root=tmp_path, callbacks=listed))
-    cli = LoGRACLI(subclass_mode_model=True, args=["-c", str(config), *overrides], run=False)
+    # pytest's own argv would otherwise sit beside ``args`` (LightningCLI warns of both).
+    with mock.patch.object(sys, "argv", ["logra"]):
+        cli = LoGRACLI(subclass_mode_model=True, args=["-c", str(config), *overrides], run=False)
     return [type(callback) for callback in cli.trainer.callbacks]
 
 
