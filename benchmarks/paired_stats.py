@@ -53,11 +53,13 @@ def crossed_bootstrap_interval(per_seed: list[list[float]], *, resamples: int = 
         raise ValueError("crossed_bootstrap_interval needs seeds with values on the same, non-empty list of prompts")
     values = np.asarray(per_seed, dtype=float)  # seeds x prompts
     generator = np.random.default_rng(seed)
-    statistic = np.empty(resamples)
-    for index in range(resamples):
-        seeds = generator.integers(values.shape[0], size=values.shape[0])
-        prompts = generator.integers(values.shape[1], size=values.shape[1])
-        statistic[index] = values[np.ix_(seeds, prompts)].mean()
+    seeds = np.empty((resamples, values.shape[0]), dtype=np.int64)
+    prompts = np.empty((resamples, values.shape[1]), dtype=np.int64)
+    for index in range(resamples):  # drawn in this order: each resample's seeds, then its prompts
+        seeds[index] = generator.integers(values.shape[0], size=values.shape[0])
+        prompts[index] = generator.integers(values.shape[1], size=values.shape[1])
+    # Every resample's (seeds x prompts) block, one contiguous row each, averaged at once.
+    statistic = values[seeds[:, :, None], prompts[:, None, :]].reshape(resamples, -1).mean(axis=1)
     tail = (1 - level) / 2
     low, high = np.quantile(statistic, [tail, 1 - tail])
     return float(low), float(high)

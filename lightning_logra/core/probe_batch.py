@@ -277,9 +277,13 @@ def _one_per_stratum(rows: list[int], sizes: torch.Tensor, count: int,
     stratum_sizes = sizes[rows]
     starts = torch.cumsum(stratum_sizes, 0) - stratum_sizes
     strata = (starts * count / stratum_sizes.sum()).floor().long().clamp(max=count - 1).tolist()
+    members_of: dict[int, list[int]] = {}
+    for row, stratum in zip(rows, strata):
+        members_of.setdefault(stratum, []).append(row)
     picks = []
-    for stratum in sorted(set(strata)):
-        members = [row for row, index in zip(rows, strata) if index == stratum]
-        pick = members[int(torch.multinomial(sizes[members], 1, generator=generator))]
-        picks.append((pick, float(sizes[members].sum())))
+    for stratum in sorted(members_of):
+        members = members_of[stratum]
+        member_sizes = sizes[members]
+        pick = members[int(torch.multinomial(member_sizes, 1, generator=generator))]
+        picks.append((pick, float(member_sizes.sum())))
     return picks
