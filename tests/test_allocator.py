@@ -11,13 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from lightning_logra import allocator
 from lightning_logra.allocator import OPT_OUT, SETTINGS, TUNABLES
 
-CALL = ("import json, os; from lightning_logra.allocator import tune_glibc_malloc; first = tune_glibc_malloc(); "
-        "print(json.dumps([first, tune_glibc_malloc(), os.environ.get('MALLOC_MMAP_THRESHOLD_'), "
+# The module loaded from its file, as the ``logra`` command loads it: it needs only the
+# standard library, and the package's own import (about 5 s) would be paid per process.
+LOAD = ("import importlib.util; spec = importlib.util.spec_from_file_location('allocator', "
+        f"{str(Path(allocator.__file__))!r}); allocator = importlib.util.module_from_spec(spec); "
+        "spec.loader.exec_module(allocator); ")
+CALL = (LOAD + "import json, os; first = allocator.tune_glibc_malloc(); "
+        "print(json.dumps([first, allocator.tune_glibc_malloc(), os.environ.get('MALLOC_MMAP_THRESHOLD_'), "
         "os.environ.get('MALLOC_ARENA_MAX'), os.environ.get('GLIBC_TUNABLES')]))")
 RESTART = ("import os; print('started with', os.environ.get('GLIBC_TUNABLES'), flush=True); "
-           "from lightning_logra.allocator import restart_with_tuned_malloc; restart_with_tuned_malloc(); "
+           + LOAD + "allocator.restart_with_tuned_malloc(); "
            "print('running with', os.environ.get('GLIBC_TUNABLES'))")
 NO_CACHES = "glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0"
 ONLY_GLIBC = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the tuning applies where glibc is the C library")
