@@ -4,7 +4,9 @@ reference run that the strategies must reproduce."""
 
 from __future__ import annotations
 
+import sys
 import warnings
+from unittest import mock
 
 import lightning as L
 import torch
@@ -254,3 +256,13 @@ def assert_identical(uninterrupted, resumed):
     assert resumed["alpha"] == uninterrupted["alpha"]
     for a, b in zip(resumed["weights"] + resumed["moments"], uninterrupted["weights"] + uninterrupted["moments"]):
         assert torch.equal(a, b)
+
+
+def in_process_cli(config_file, *overrides):
+    """``LoGRACLI`` built in this process (``run=False``) from ``config_file``, seeded, with
+    pytest's own argv hidden (LightningCLI warns when it sits beside ``args``)."""
+    from lightning_logra.cli import LoGRACLI
+
+    with mock.patch.object(sys, "argv", ["logra"]):
+        return LoGRACLI(subclass_mode_model=True, args=["-c", str(config_file), "--seed_everything=0", *overrides],
+                        run=False)

@@ -1,17 +1,13 @@
 """The `logra` command adds our progress bar and model summary when the Trainer's flags leave
 them on and the config lists none of their kind; a flag that turns one off is obeyed."""
 
-import sys
-from unittest import mock
-
 import pytest
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from lightning_logra.callbacks import LoGRAModelSummary, StepProgressBar
-from lightning_logra.cli import LoGRACLI
+from tests.helpers.lightning import in_process_cli
 
 CONFIG = """
-seed_everything: 0
 trainer:
   accelerator: cpu
   devices: 1
@@ -29,9 +25,7 @@ model:
 def callbacks_of(tmp_path, *overrides, listed="[]"):
     config = tmp_path / "config.yaml"
     config.write_text(CONFIG.format(root=tmp_path, callbacks=listed))
-    # pytest's own argv would otherwise sit beside ``args`` (LightningCLI warns of both).
-    with mock.patch.object(sys, "argv", ["logra"]):
-        cli = LoGRACLI(subclass_mode_model=True, args=["-c", str(config), *overrides], run=False)
+    cli = in_process_cli(config, *overrides)
     return [type(callback) for callback in cli.trainer.callbacks]
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from lightning.pytorch.loggers import MLFlowLogger
 
-from lightning_logra.cli import LoGRACLI
+from tests.helpers.lightning import in_process_cli
 
 CONFIG = """
 trainer:
@@ -29,7 +29,7 @@ def logger_of(tmp_path, monkeypatch, *overrides) -> MLFlowLogger:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     config = tmp_path / "config.yaml"
     config.write_text(CONFIG.format(root=tmp_path))
-    cli = LoGRACLI(subclass_mode_model=True, args=["-c", str(config), *overrides], run=False)
+    cli = in_process_cli(config, *overrides)
     return cli.trainer.logger
 
 

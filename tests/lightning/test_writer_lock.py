@@ -20,11 +20,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_logra import LoGRAFabricStrategy, LoGRAFSDPStrategy
 from lightning_logra.callbacks import PreemptionCheckpoint
-from lightning_logra.cli import LoGRACLI
 from lightning_logra.strategies.checkpoints import atomic, writer_lock
 from lightning_logra.strategies.trainer import claim_checkpoint_folders
 from lightning_logra.strategies.checkpoints.writer_lock import FolderLocked, LostLock, WriterLock
-from tests.helpers.lightning import CausalLM, config, loader, trainer
+from tests.helpers.lightning import CausalLM, config, in_process_cli, loader, trainer
 
 HOST = socket.gethostname()
 
@@ -103,7 +102,7 @@ trainer:
 model:
   class_path: tests.helpers.lightning.TinyCausalLM
 """)
-    cli = LoGRACLI(subclass_mode_model=True, args=["-c", str(config_file)], run=False)
+    cli = in_process_cli(config_file)
     try:
         with pytest.raises(FolderLocked, match="another run writes checkpoints into"):
             cli.before_fit()
