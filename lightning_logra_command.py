@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 
-def restart_with_tuned_malloc() -> None:
-    """``lightning_logra.allocator.restart_with_tuned_malloc``, without importing the package
+def load_allocator() -> ModuleType:
+    """``lightning_logra.allocator`` loaded from its file, without importing the package
     (finding a package's folder does not run its ``__init__``)."""
     package = importlib.util.find_spec("lightning_logra")
     folder = Path(next(iter(package.submodule_search_locations)))
     spec = importlib.util.spec_from_file_location("lightning_logra_allocator", folder / "allocator.py")
     allocator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(allocator)
-    allocator.restart_with_tuned_malloc()
+    return allocator
+
+
+def restart_with_tuned_malloc() -> None:
+    """``lightning_logra.allocator.restart_with_tuned_malloc``, before the package is imported."""
+    load_allocator().restart_with_tuned_malloc()
 
 
 def main() -> None:

@@ -11,14 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from lightning_logra import allocator
 from lightning_logra.allocator import OPT_OUT, SETTINGS, TUNABLES
 
-# The module loaded from its file, as the ``logra`` command loads it: it needs only the
-# standard library, and the package's own import (about 5 s) would be paid per process.
-LOAD = ("import importlib.util; spec = importlib.util.spec_from_file_location('allocator', "
-        f"{str(Path(allocator.__file__))!r}); allocator = importlib.util.module_from_spec(spec); "
-        "spec.loader.exec_module(allocator); ")
+# The module loaded from its file, as the ``logra`` command loads it: the package's own
+# import (about 5 s) would be paid per process.
+LOAD = "from lightning_logra_command import load_allocator; allocator = load_allocator(); "
 CALL = (LOAD + "import json, os; first = allocator.tune_glibc_malloc(); "
         "print(json.dumps([first, allocator.tune_glibc_malloc(), os.environ.get('MALLOC_MMAP_THRESHOLD_'), "
         "os.environ.get('MALLOC_ARENA_MAX'), os.environ.get('GLIBC_TUNABLES')]))")
