@@ -6,6 +6,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_logra import LoGRAConfig, install_sketches, remove_sketches
+from tests.helpers.core import KeywordCalledLinear
 
 RANK = 4
 # The sketch is accumulated in float32 while the dense reference below is float64, and the
@@ -147,20 +148,13 @@ def test_sketches_share_one_flat_float32_buffer():
     assert sketches.buffer.eq(0).all()
 
 
-class _KeywordCalledLinear(nn.Linear):
-    """An nn.Linear that its parent calls as ``layer(input=x)``: hooks see X in kwargs."""
-
-    def __call__(self, x):
-        return super().__call__(input=x)
-
-
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "activation-checkpointing"])
 def test_a_target_called_with_input_as_a_keyword_gets_the_same_sketch(checkpointed):
     sketched = []
     for keyword in (False, True):
         _, logra = _pair(checkpointed)
         if keyword:
-            logra.up_proj.__class__ = logra.down_proj.__class__ = _KeywordCalledLinear
+            logra.up_proj.__class__ = logra.down_proj.__class__ = KeywordCalledLinear
         sketches = install_sketches(logra, LoGRAConfig(rank=RANK, target_modules=["up_proj", "down_proj"]))
         for tokens in _micro_batches():
             logra(tokens).square().sum().backward()

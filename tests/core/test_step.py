@@ -10,7 +10,7 @@ import torch
 from lightning_logra import LoGRAStepInputs, ProbeBatch, probe_predicted_kl, scheduled_budget
 from lightning_logra.core import validation
 from lightning_logra.core.probe import EmptyProbeError
-from tests.helpers.core import backward, qwen2_and_optimizer, weights
+from tests.helpers.core import KeywordCalledLinear, backward, qwen2_and_optimizer, weights
 
 
 def eos_pairs(observed_gap: float, eos: bool):
@@ -166,13 +166,6 @@ def test_resuming_with_other_tuning_fields_warns_with_old_and_new_values():
     assert changed.update_count == 1 and changed.param_groups[0]["lr"] == 5e-3
 
 
-class _KeywordCalledLinear(torch.nn.Linear):
-    """An nn.Linear that its parent calls as ``layer(input=x)``: hooks see X in kwargs."""
-
-    def __call__(self, x):
-        return super().__call__(input=x)
-
-
 def test_targets_called_with_input_as_a_keyword_step_bit_for_bit_the_same():
     """The sketch and the probe's tangent read X from ``input=`` when a model passes it so."""
     positional_model, positional = qwen2_and_optimizer()
@@ -180,7 +173,7 @@ def test_targets_called_with_input_as_a_keyword_step_bit_for_bit_the_same():
     expected = positional.step(logra_inputs=LoGRAStepInputs(probe=ProbeBatch.from_token_batch(batch)), measure_kl=True)
     keyword_model, keyword = qwen2_and_optimizer()
     for state in keyword.sketches:
-        state.module.__class__ = _KeywordCalledLinear
+        state.module.__class__ = KeywordCalledLinear
     backward(keyword_model, keyword, 0)
     report = keyword.step(logra_inputs=LoGRAStepInputs(probe=ProbeBatch.from_token_batch(batch)), measure_kl=True)
     assert report.predicted_kl > 0 and report.predicted_kl == expected.predicted_kl

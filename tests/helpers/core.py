@@ -49,6 +49,14 @@ def count_projections_by_matrix(monkeypatch) -> list[int]:
     return _record_projections(monkeypatch, id)
 
 
+class KeywordCalledLinear(nn.Linear):
+    """An nn.Linear that its parent calls as ``layer(input=x)``: hooks see X in kwargs
+    (assign it to a module's ``__class__``)."""
+
+    def __call__(self, x):
+        return super().__call__(input=x)
+
+
 # -- TokenMlp: tokens in, logits out; up_proj has 300 rows, two of the update's row chunks --
 
 
