@@ -65,6 +65,7 @@ from .harness import (argument_parser, check_smoke_out, code_version, command_li
 from .frontier_protocol import (LONG_CHECKPOINT_EVERY, LONG_SEED, LONG_STEPS, LONG_VAL_EVERY, METHODS, SEEDS, STEPS,
                                 SWEEPS, TASKS, TIMING_STEPS, VAL_EVERY, VAL_SAMPLES, chosen_value, config_of,
                                 method_overrides, setting)
+from .frontier_ablations import ABLATIONS, BUDGET as ABLATION_BUDGET, SEEDS as ABLATION_SEEDS, TASK as ABLATION_TASK
 from .frontier_report import method_seeds, plot, render
 from .quality_matched import digest
 
@@ -109,11 +110,17 @@ class Runner:
         print(f"{name}: pass@1 {validation['pass_at_1']:.3f} ({seconds:.0f} s)", flush=True)
         return {"task": self.task, "seed": seed, "seconds": seconds, **validation}
 
-    def train(self, method: str, value: float, seed: int, kind: str = "sweep") -> dict:
+    def train(self, method: str, value: float, seed: int, kind: str = "sweep", ablation: str | None = None) -> dict:
         steps, val_every = {"sweep": (self.smoke.get("steps", STEPS), self.smoke.get("val_every", VAL_EVERY)),
+                            "ablation": (self.smoke.get("steps", STEPS), self.smoke.get("val_every", VAL_EVERY)),
                             "long": (self.smoke.get("long_steps", LONG_STEPS), self.smoke.get("long_val_every", LONG_VAL_EVERY)),
                             "timing": (self.smoke.get("timing_steps", TIMING_STEPS), None)}[kind]
-        name = f"{self.task}-{kind}-{method}-{setting(method, value)}-seed{seed}"
+        changes = []
+        if ablation is not None:
+            _, changes, ablation_steps, ablation_val_every = ABLATIONS[ablation]
+            steps = self.smoke.get("steps", ablation_steps or steps)
+            val_every = self.smoke.get("val_every", ablation_val_every or val_every)
+        name = f"{self.task}-{kind}-{method}-{setting(method, value)}{'-' + ablation if ablation else ''}-seed{seed}"
         command = ["fit", "-c", config_of(self.task, method), *self.arguments(seed, name, self.root / name),
                    f"--trainer.max_steps={steps}", *method_overrides(self.task, method, value)]
         if val_every is None:
@@ -123,6 +130,7 @@ class Runner:
         if method == "logra":  # its random projections are seeded too; the budget is constant
             command += [f"--trainer.strategy.init_args.logra.schedule_steps={steps}",
                         f"--trainer.strategy.init_args.logra.seed={42 + seed}"]
+        command += changes  # last: an ablation's overrides win over the method's and the schedule's
         launches = [time.time()]
         if kind == "long":
             work = self.root / name
@@ -133,7 +141,7 @@ class Runner:
         database = work / "mlflow.db"
         seconds += earlier_launches_seconds(database, name, launches)
         record = {"task": self.task, "kind": kind, "method": method, "value": value, "setting": setting(method, value),
-                  "seed": seed, "steps": steps, "seconds": seconds, "threads": self.threads, "launches": len(launches),
+                  **({"ablation": ablation} if ablation else {}), "seed": seed, "steps": steps, "seconds": seconds, "threads": self.threads, "launches": len(launches),
                   "reward_mean": timed_metric_history(database, name, "reward/mean"),
                   "step_kl": timed_metric_history(database, name, "policy/step_kl")}
         if val_every is None:
@@ -229,19 +237,20 @@ class Protocol:
             self.result[key].append(record)
             save_json(self.path, self.result)
 
-    def has(self, task: str, kind: str, method: str, value: float, seed: int) -> bool:
+    def has(self, task: str, kind: str, method: str, value: float, seed: int, ablation: str | None = None) -> bool:
         return any(r["task"] == task and r["kind"] == kind and r["method"] == method and r["value"] == value
-                   and r["seed"] == seed for r in self.result["runs"])
+                   and r["seed"] == seed and r.get("ablation") == ablation for r in self.result["runs"])
 
     def untrained(self, runner: Runner, seeds: list[int]) -> None:
         missing = [s for s in seeds if not any(u["task"] == runner.task and u["seed"] == s for u in self.result["untrained"])]
         self.parallel([lambda seed=seed: self.add("untrained", runner.untrained(seed)) for seed in missing])
 
-    def train(self, runner: Runner, runs: list[tuple[str, float, int]], kind: str) -> None:
+    def train(self, runner: Runner, runs: list[tuple], kind: str) -> None:
+        """``runs``: (method, value, seed) or, for ablations, (method, value, seed, ablation)."""
         untrained = {u["seed"]: u for u in self.result["untrained"] if u["task"] == runner.task}
 
-        def one(method: str, value: float, seed: int) -> None:
-            record = runner.train(method, value, seed, kind)
+        def one(method: str, value: float, seed: int, ablation: str | None = None) -> None:
+            record = runner.train(method, value, seed, kind, ablation)
             if any(v["prompts_digest"] != untrained[seed]["prompts_digest"] for v in record.get("validations", [])):
                 raise SystemExit(f"{runner.task} seed {seed}: {method} validated on other prompts than the untrained model")
             self.add("runs", record)
@@ -259,10 +268,12 @@ def main() -> None:
     parser = argument_parser(__doc__)
     parser.add_argument("--task", choices=sorted(TASKS), help="the task whose sweep runs to add (default: both)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
+    parser.add_argument("--seeds", nargs="+", type=int, help=f"default {list(SEEDS)}; ablations: {list(ABLATION_SEEDS)}")
     parser.add_argument("--jobs", type=int, default=1, help="runs side by side, one thread each when more than 1")
     parser.add_argument("--timing", action="store_true", help="time every method's step, alone, one after another")
     parser.add_argument("--long", action="store_true", help="the 300-step run of each method at its chosen step size")
+    parser.add_argument("--ablations", nargs="+", choices=list(ABLATIONS),
+                        help=f"LoGRA's ablations on {ABLATION_TASK}, one after another, each on --seeds (default {list(ABLATION_SEEDS)})")
     parser.add_argument("--smoke", action="store_true", help="2-step runs on 4 validation prompts: every path, no measurement")
     args = parser.parse_args()
     check_smoke_out(parser, args)
@@ -277,7 +288,7 @@ def main() -> None:
     if result["smoke"] != args.smoke:
         parser.error(f"{path} holds {'smoke' if result['smoke'] else 'measured'} runs; --out elsewhere")
     smoke = SMOKE if args.smoke else {}
-    seeds = [LONG_SEED] if args.long else ([0] if args.smoke else args.seeds)
+    seeds = [LONG_SEED] if args.long else ([0] if args.smoke else args.seeds or list(SEEDS))
     part = {"command": command_line("frontier"), "machine": machine_info(), "code": code_version(),
             "load_before": os.getloadavg()}
     protocol = Protocol(result, path, args.jobs)
@@ -288,7 +299,12 @@ def main() -> None:
         result["parts"].append(part)
         save_json(path, result)
     started = time.perf_counter()
-    tasks = ["addition"] if args.long else [args.task] if args.task else list(TASKS)  # long runs: addition only
+    if args.ablations:
+        runner = Runner(ABLATION_TASK, smoke, threads=1 if args.jobs > 1 else None)
+        seeds = [0] if args.smoke else args.seeds or list(ABLATION_SEEDS)
+        protocol.untrained(runner, seeds)
+        protocol.train(runner, [("logra", ABLATION_BUDGET, s, a) for a in args.ablations for s in seeds], "ablation")
+    tasks = [] if args.ablations else ["addition"] if args.long else [args.task] if args.task else list(TASKS)
     for task in tasks:
         runner = Runner(task, smoke, threads=1 if args.jobs > 1 else None, long=args.long)
         if args.timing:

@@ -11,6 +11,7 @@ from pathlib import Path
 from .frontier_protocol import (LABELS, LEVELS, LONG_REWARD_LEVELS, LONG_REWARD_WINDOW, METHODS, PAIRS, SWEEPS, TARGETS,
                                 TASKS, VAL_SAMPLES, chosen_value, frontier_point, runs_of, steps_to_reward,
                                 trailing_means, untrained_of)
+from .frontier_ablations import render_ablations
 from .harness import code_line, cpu_caption, machine_line, pyplot, save_figure
 from .paired_stats import bootstrap_interval, crossed_bootstrap_interval, seed_mean, t_interval
 
@@ -190,6 +191,7 @@ def render(result: dict) -> str:
             lines.append(f"| {LABELS[r['method']]} | {r['setting']} | {r['steps']} | {curve} | {kl} | "
                          f"{' / '.join('-' if s is None else str(s) for s in reached)} | {alone} | {r['seconds']:.0f} |")
         lines.append("")
+    lines += render_ablations(result)
     lines += [f"Machine time so far: {total / 3600:.2f} h (target at most {TARGETS['machine_hours']:g} h in all; runs "
               "side by side count their own wall clock each)."]
     lines += ["", "Parts: " + "; ".join(f"`{p['command']}` ({code_line(p['code'])} {machine_line(p['machine'])})"
