@@ -31,6 +31,8 @@ step-KL scalar per method). Fixed before measuring, in ``frontier_protocol``:
    every 50. Each saves a checkpoint every 7 steps and, stopped and started again with the
    same command, resumes from it into the same MLflow run (hours of runs outlast a working
    session); its seconds add up its launches.
+7. **Ablations** (``--ablations``, ``frontier_ablations``): the cheapest changes that could
+   close where LoGRA trails, each alone on LoGRA at one budget, compared at equal KL.
 
 It runs in parts and resumes: every invocation adds the runs it is asked for to
 ``frontier.json``, skipping those already there, saves after each, records its command and
@@ -40,6 +42,7 @@ commit, and rewrites the .md and .png from everything measured so far::
     python -m benchmarks.frontier --task code                          # everything of a task
     python -m benchmarks.frontier --timing                             # seconds per step, alone
     python -m benchmarks.frontier --long                               # the 300-step runs
+    python -m benchmarks.frontier --ablations budget_warmup rank_256 --jobs 2  # LoGRA's ablations
     python -m benchmarks.frontier --render benchmarks/results/frontier.json
     python -m benchmarks.frontier --smoke --out /tmp/frontier          # every path on 2-step runs
 
