@@ -115,14 +115,14 @@ class Runner:
 
     def train(self, method: str, value: float, seed: int, kind: str = "sweep", ablation: str | None = None) -> dict:
         steps, val_every = {"sweep": (self.smoke.get("steps", STEPS), self.smoke.get("val_every", VAL_EVERY)),
-                            "ablation": (self.smoke.get("steps", STEPS), self.smoke.get("val_every", VAL_EVERY)),
                             "long": (self.smoke.get("long_steps", LONG_STEPS), self.smoke.get("long_val_every", LONG_VAL_EVERY)),
-                            "timing": (self.smoke.get("timing_steps", TIMING_STEPS), None)}[kind]
+                            "timing": (self.smoke.get("timing_steps", TIMING_STEPS), None)}[
+                                "sweep" if kind == "ablation" else kind]
         changes = []
-        if ablation is not None:
-            _, changes, ablation_steps, ablation_val_every = ABLATIONS[ablation]
-            steps = self.smoke.get("steps", ablation_steps or steps)
-            val_every = self.smoke.get("val_every", ablation_val_every or val_every)
+        if ablation is not None:  # an ablation is a sweep run with its own overrides (and maybe steps)
+            changes = ABLATIONS[ablation].overrides
+            steps = self.smoke.get("steps", ABLATIONS[ablation].steps or steps)
+            val_every = self.smoke.get("val_every", ABLATIONS[ablation].val_every or val_every)
         name = f"{self.task}-{kind}-{method}-{setting(method, value)}{'-' + ablation if ablation else ''}-seed{seed}"
         command = ["fit", "-c", config_of(self.task, method), *self.arguments(seed, name, self.root / name),
                    f"--trainer.max_steps={steps}", *method_overrides(self.task, method, value)]
@@ -144,7 +144,8 @@ class Runner:
         database = work / "mlflow.db"
         seconds += earlier_launches_seconds(database, name, launches)
         record = {"task": self.task, "kind": kind, "method": method, "value": value, "setting": setting(method, value),
-                  **({"ablation": ablation} if ablation else {}), "seed": seed, "steps": steps, "seconds": seconds, "threads": self.threads, "launches": len(launches),
+                  **({"ablation": ablation} if ablation else {}), "seed": seed, "steps": steps, "seconds": seconds,
+                  "threads": self.threads, "launches": len(launches),
                   "reward_mean": timed_metric_history(database, name, "reward/mean"),
                   "step_kl": timed_metric_history(database, name, "policy/step_kl")}
         if val_every is None:

@@ -16,10 +16,11 @@ recipe's frontier:
   after every update).
 - ``early_validation``, a measurement rather than a change: the default setting for 4 steps,
   validated after each (its validations draw samples, so its later steps' rollouts differ
-  from the default run's; the comparison is of the setting, not of one trajectory). The frontier interpolates linearly in KL between the untrained model
-  and a run's first validation (step 4); where pass@1 rises faster than linearly in KL, that
-  chord understates the run at small KL, and the paper recipe's warm-up gives it validations
-  there that the default LoGRA run does not have.
+  from the default run's; the comparison is of the setting, not of one trajectory). The
+  frontier interpolates linearly in KL between the untrained model and a run's first
+  validation (step 4); where pass@1 rises faster than linearly in KL, that chord understates
+  the run at small KL, and the paper recipe's warm-up gives it validations there that the
+  default LoGRA run does not have.
 
 Not run: the probe's tangent products in float32. This machine computes in float32, so the
 probe's products are float32 already; that ablation is the default here (it matters in bf16).
@@ -28,23 +29,31 @@ probe's products are float32 already; that ablation is the default here (it matt
 from __future__ import annotations
 
 import statistics
+from typing import NamedTuple
 
-from .frontier_protocol import LABELS, LEVELS, at_level, frontier_point, path_of, runs_of, untrained_of
+from .frontier_protocol import LABELS, LEVELS, at_level, frontier_point, path_of, runs_of, step_kl_figures, untrained_of
 from .paired_stats import bootstrap_interval, seed_mean, t_interval
 
 TASK, BUDGET, SEEDS = "addition", 2.15e-3, (0, 1, 2)
 LOGRA = "--trainer.strategy.init_args.logra"
-# name: (what it changes, its overrides on top of the LoGRA run at BUDGET, steps, validate every)
+
+
+class Ablation(NamedTuple):
+    label: str
+    overrides: list[str]  # on top of the LoGRA run at BUDGET
+    steps: int | None = None  # None: the protocol's
+    val_every: int | None = None
+
+
 ABLATIONS = {
-    "budget_warmup": ("budget warm-up, 0.1x to 1x over 4 updates",
-                      [f"{LOGRA}.kl_budget={BUDGET / 10:g}", f"{LOGRA}.kl_budget_final={BUDGET:g}",
-                       f"{LOGRA}.schedule_steps=5"], None, None),
-    "length_reference": ("response_length_reference 16", ["--model.init_args.loss.response_length_reference=16"],
-                         None, None),
-    "rank_256": ("rank 256", [f"{LOGRA}.rank=256"], None, None),
-    "early_validation": ("default, validated after each of 4 steps", [], 4, 1),
-    "rank_128": ("rank 128", [f"{LOGRA}.rank=128"], None, None),
-    "fixed_projections": ("projections never redrawn", [f"{LOGRA}.redraw_projections=false"], None, None),
+    "budget_warmup": Ablation("budget warm-up, 0.1x to 1x over 4 updates",
+                              [f"{LOGRA}.kl_budget={BUDGET / 10:g}", f"{LOGRA}.kl_budget_final={BUDGET:g}",
+                               f"{LOGRA}.schedule_steps=5"]),
+    "length_reference": Ablation("response_length_reference 16", ["--model.init_args.loss.response_length_reference=16"]),
+    "rank_256": Ablation("rank 256", [f"{LOGRA}.rank=256"]),
+    "early_validation": Ablation("default, validated after each of 4 steps", [], steps=4, val_every=1),
+    "rank_128": Ablation("rank 128", [f"{LOGRA}.rank=128"]),
+    "fixed_projections": Ablation("projections never redrawn", [f"{LOGRA}.redraw_projections=false"]),
 }
 COMPARED_LEVELS = tuple(level for level in LEVELS if level <= 2e-2)
 
@@ -70,19 +79,16 @@ def summarise_ablations(result: dict) -> list[dict]:
     untrained = untrained_of(result, TASK)
     default = {r["seed"]: r for r in runs_of(result, TASK, "logra", BUDGET)}
     summaries = []
-    for name, (label, _, _, _) in ABLATIONS.items():
+    for name, ablation in ABLATIONS.items():
         runs = ablation_runs(result, name)
-        seeds = [s for s in SEEDS if s in runs and s in default and s in untrained]
+        seeds = sorted(s for s in runs if s in default and s in untrained)
         if not seeds:
             continue
-        moved = [v for s in seeds for _, v, _ in runs[s]["step_kl"] if v > 0]
-        summary = {"ablation": name, "label": label, "seeds": seeds,
+        summary = {"ablation": name, "label": ablation.label, "seeds": seeds,
                    "final_pass_at_1": statistics.mean(runs[s]["validations"][-1]["pass_at_1"] for s in seeds),
                    "default_final_pass_at_1": statistics.mean(default[s]["validations"][-1]["pass_at_1"] for s in seeds),
                    "final_kl_from_init": statistics.median(runs[s]["validations"][-1]["kl_from_init"] for s in seeds),
-                   "median_step_kl": statistics.median(moved or [0.0]),
-                   "steps_still": sum(v == 0 for s in seeds for _, v, _ in runs[s]["step_kl"]),
-                   "steps": sum(len(runs[s]["step_kl"]) for s in seeds), "levels": {}}
+                   **step_kl_figures([runs[s] for s in seeds]), "levels": {}}
         for level in COMPARED_LEVELS:
             ablated = [at_level(path_of(runs[s], untrained[s]), level) for s in seeds]
             baseline = [at_level(path_of(default[s], untrained[s]), level) for s in seeds]

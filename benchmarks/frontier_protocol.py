@@ -125,6 +125,15 @@ def runs_of(result: dict, task: str, method: str, value: float | None = None, ki
                    and (value is None or r["value"] == value)), key=lambda r: r["seed"])
 
 
+def step_kl_figures(runs: list[dict]) -> dict:
+    """The runs' median step KL over the steps that moved (LoGRA makes no update on a step
+    whose advantages are all 0; dense's and LoRA's moments still move theirs), and how many
+    of their steps did not move."""
+    values = [v for r in runs for _, v, _ in r["step_kl"]]
+    return {"median_step_kl": statistics.median([v for v in values if v > 0] or [0.0]),
+            "steps_still": sum(v == 0 for v in values), "steps": len(values)}
+
+
 def untrained_of(result: dict, task: str) -> dict[int, dict]:
     return {u["seed"]: u for u in result["untrained"] if u["task"] == task}
 

@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 from .frontier_protocol import (LABELS, LEVELS, LONG_REWARD_LEVELS, LONG_REWARD_WINDOW, METHODS, PAIRS, SWEEPS, TARGETS,
-                                TASKS, VAL_SAMPLES, chosen_value, frontier_point, runs_of, steps_to_reward,
+                                TASKS, VAL_SAMPLES, chosen_value, frontier_point, runs_of, step_kl_figures, steps_to_reward,
                                 trailing_means, untrained_of)
 from .frontier_ablations import render_ablations
 from .harness import code_line, cpu_caption, machine_line, pyplot, save_figure
@@ -94,12 +94,7 @@ def summarise(result: dict, task: str) -> dict:
                 sweep.append({"method": method, "setting": runs[0]["setting"], "seeds": [r["seed"] for r in runs],
                               "final_pass_at_1": statistics.mean(r["validations"][-1]["pass_at_1"] for r in runs),
                               "final_kl_from_init": statistics.median(r["validations"][-1]["kl_from_init"] for r in runs),
-                              # LoGRA makes no update on a step whose advantages are all 0; dense's
-                              # and LoRA's moments still move theirs: the median is over steps that moved.
-                              "median_step_kl": statistics.median([v for r in runs for _, v, _ in r["step_kl"] if v > 0]
-                                                                  or [0.0]),
-                              "steps_still": sum(v == 0 for r in runs for _, v, _ in r["step_kl"]),
-                              "steps": sum(len(r["step_kl"]) for r in runs),
+                              **step_kl_figures(runs),
                               "median_run_s": statistics.median(r["seconds"] for r in runs)})
     timing = timing_of(result, task)
     seconds = sum(r["seconds"] for r in result["runs"] if r["task"] == task) + sum(u["seconds"] for u in untrained.values())
