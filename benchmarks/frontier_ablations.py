@@ -32,7 +32,7 @@ import statistics
 from typing import NamedTuple
 
 from .frontier_protocol import LABELS, LEVELS, at_level, frontier_point, path_of, runs_of, step_kl_figures, untrained_of
-from .paired_stats import bootstrap_interval, seed_mean, t_interval
+from .paired_stats import paired_points
 
 TASK, BUDGET, SEEDS = "addition", 2.15e-3, (0, 1, 2)
 LOGRA = "--trainer.strategy.init_args.logra"
@@ -63,15 +63,6 @@ def ablation_runs(result: dict, name: str) -> dict[int, dict]:
             if r["task"] == TASK and r["kind"] == "ablation" and r.get("ablation") == name}
 
 
-def paired(first: list[list[float]], second: list[list[float]]) -> dict:
-    """The mean per-prompt difference ``first - second`` in points, with a t interval over
-    seeds (two or more) and a bootstrap over seeds and prompts (each seed has its own)."""
-    differences = [[a - b for a, b in zip(x, y)] for x, y in zip(first, second)]
-    t_points = [100 * x for x in t_interval(differences)] if len(differences) > 1 else [None, None]
-    return {"difference_points": 100 * seed_mean(differences), "t_points": t_points,
-            "bootstrap_points": [100 * x for x in bootstrap_interval(differences)]}
-
-
 def summarise_ablations(result: dict) -> list[dict]:
     """Per ablation with runs: its runs' figures and, at each level it reaches on every seed
     it ran, its difference from the default run at ``BUDGET`` and from the paper recipe's
@@ -95,9 +86,9 @@ def summarise_ablations(result: dict) -> list[dict]:
             paper = frontier_point(result, TASK, "dense_paper", level, seeds)
             if any(values is None for values in ablated + baseline) or paper is None:
                 continue
-            summary["levels"][level] = {"minus_default": paired(ablated, baseline),
-                                        "minus_paper": paired(ablated, paper["per_seed"]),
-                                        "default_minus_paper": paired(baseline, paper["per_seed"])}
+            summary["levels"][level] = {"minus_default": paired_points(ablated, baseline),
+                                        "minus_paper": paired_points(ablated, paper["per_seed"]),
+                                        "default_minus_paper": paired_points(baseline, paper["per_seed"])}
         summaries.append(summary)
     return summaries
 

@@ -13,7 +13,7 @@ from .frontier_protocol import (LABELS, LEVELS, LONG_REWARD_LEVELS, LONG_REWARD_
                                 trailing_means, untrained_of)
 from .frontier_ablations import render_ablations
 from .harness import code_line, cpu_caption, machine_line, pyplot, save_figure
-from .paired_stats import bootstrap_interval, crossed_bootstrap_interval, seed_mean, t_interval
+from .paired_stats import bootstrap_interval, crossed_bootstrap_interval, paired_points, seed_mean
 
 COLOURS = {"dense": "tab:blue", "dense_paper": "tab:purple", "lora": "tab:orange", "logra": "tab:green"}
 
@@ -73,14 +73,12 @@ def summarise(result: dict, task: str) -> dict:
                                                                         for m in (first, second))
             if point_first is None or point_second is None:
                 continue
-            differences = [[a - b for a, b in zip(x, y)] for x, y in zip(point_first["per_seed"], point_second["per_seed"])]
-            low, high = (100 * x for x in interval(differences, crossed(seeds)))
-            t_low, t_high = (100 * x for x in t_interval(differences)) if len(seeds) > 1 else (None, None)
+            difference = paired_points(point_first["per_seed"], point_second["per_seed"], crossed=crossed(seeds))
+            low, high = difference["bootstrap_points"]
             gain_first, gain_second = 100 * seed_mean(gains_first), 100 * seed_mean(gains_second)
             ratio = gain_first / gain_second if gain_second > 0 else None
             pairs[f"{first}-{second}"] = {
-                "seeds": seeds, "difference_points": 100 * seed_mean(differences), "bootstrap_points": [low, high],
-                "t_points": [t_low, t_high], "gain_ratio": ratio,
+                "seeds": seeds, **difference, "gain_ratio": ratio,
                 "met": (ratio is not None and ratio >= TARGETS["gain_ratio"])
                        or (low <= 0 <= high and high - low <= TARGETS["interval_width_points"])}
         if methods:

@@ -5,7 +5,8 @@ import statistics
 
 import pytest
 
-from benchmarks.paired_stats import bootstrap_interval, first_reaching, median_or_none, seed_mean
+from benchmarks.paired_stats import (bootstrap_interval, crossed_bootstrap_interval, first_reaching, median_or_none,
+                                     paired_points, seed_mean, t_interval)
 
 
 def test_identical_values_give_a_point_interval_at_their_value():
@@ -53,3 +54,16 @@ def test_first_reaching_and_medians_of_runs_that_never_get_there():
 def test_empty_seeds_are_refused():
     with pytest.raises(ValueError, match="at least one prompt"):
         bootstrap_interval([[0.1], []])
+
+
+def test_paired_points_are_the_per_prompt_differences_in_points():
+    first, second = [[1.0, 0.5, 0.0], [0.5, 0.5, 1.0]], [[0.5, 0.5, 0.5], [0.0, 0.5, 0.5]]
+    differences = [[0.5, 0.0, -0.5], [0.5, 0.0, 0.5]]
+    stats = paired_points(first, second)
+    assert stats["difference_points"] == pytest.approx(100 * seed_mean(differences))
+    assert stats["t_points"] == pytest.approx([100 * x for x in t_interval(differences)])
+    assert stats["bootstrap_points"] == pytest.approx([100 * x for x in bootstrap_interval(differences)])
+    crossed = paired_points(first, second, crossed=True)
+    assert crossed["bootstrap_points"] == pytest.approx([100 * x for x in crossed_bootstrap_interval(differences)])
+    assert crossed["bootstrap_points"] != stats["bootstrap_points"]  # these data tell the two apart
+    assert paired_points(first[:1], second[:1])["t_points"] == [None, None]  # one seed: no t interval
