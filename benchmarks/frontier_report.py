@@ -13,7 +13,7 @@ from .frontier_protocol import (LABELS, LEVELS, LONG_REWARD_LEVELS, LONG_REWARD_
                                 trailing_means, untrained_of)
 from .frontier_ablations import render_ablations
 from .harness import code_line, cpu_caption, machine_line, pyplot, save_figure
-from .paired_stats import bootstrap_interval, crossed_bootstrap_interval, paired_points, seed_mean
+from .paired_stats import paired_points, seed_mean, seeds_bootstrap_interval
 
 COLOURS = {"dense": "tab:blue", "dense_paper": "tab:purple", "lora": "tab:orange", "logra": "tab:green"}
 
@@ -28,10 +28,6 @@ def method_seeds(result: dict, task: str, method: str) -> list[int]:
 def shared_prompts(result: dict, task: str, seeds: list[int]) -> bool:
     untrained = untrained_of(result, task)
     return len({untrained[s]["prompts_digest"] for s in seeds}) == 1
-
-
-def interval(per_seed: list[list[float]], crossed: bool) -> tuple[float, float]:
-    return (crossed_bootstrap_interval if crossed else bootstrap_interval)(per_seed)
 
 
 def gains_at(result: dict, task: str, method: str, level: float, seeds: list[int]) -> tuple[dict | None, list[list[float]]]:
@@ -65,7 +61,7 @@ def summarise(result: dict, task: str) -> dict:
             if point is not None:
                 methods[method] = {"value": point["value"], "pass_at_1": point["pass_at_1"], "seeds": seeds_of[method],
                                    "gain_points": 100 * seed_mean(gains),
-                                   "gain_interval_points": [100 * x for x in interval(gains, crossed(seeds_of[method]))]}
+                                   "gain_interval_points": [100 * x for x in seeds_bootstrap_interval(gains, crossed=crossed(seeds_of[method]))]}
         pairs = {}
         for first, second in PAIRS:
             seeds = [s for s in seeds_of[first] if s in seeds_of[second]]

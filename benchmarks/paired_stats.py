@@ -76,15 +76,19 @@ def t_interval(per_seed: list[list[float]], *, level: float = 0.95) -> tuple[flo
     return statistics.mean(means) - half, statistics.mean(means) + half
 
 
+def seeds_bootstrap_interval(per_seed: list[list[float]], *, crossed: bool = False) -> tuple[float, float]:
+    """``crossed_bootstrap_interval`` where the seeds share their prompts, else ``bootstrap_interval``."""
+    return (crossed_bootstrap_interval if crossed else bootstrap_interval)(per_seed)
+
+
 def paired_points(first: list[list[float]], second: list[list[float]], *, crossed: bool = False) -> dict:
     """The per-prompt difference ``first - second`` of two methods on the same seeds and prompts,
     in points: its ``seed_mean``, the t interval over seeds (None with one seed) and the
     bootstrap interval (crossed where the seeds share their prompts)."""
     differences = [[a - b for a, b in zip(x, y)] for x, y in zip(first, second)]
     t_points = [100 * x for x in t_interval(differences)] if len(differences) > 1 else [None, None]
-    bootstrap = (crossed_bootstrap_interval if crossed else bootstrap_interval)(differences)
     return {"difference_points": 100 * seed_mean(differences), "t_points": t_points,
-            "bootstrap_points": [100 * x for x in bootstrap]}
+            "bootstrap_points": [100 * x for x in seeds_bootstrap_interval(differences, crossed=crossed)]}
 
 
 def first_reaching(curve: list[tuple[int, float, float]], threshold: float) -> tuple[int, float] | tuple[None, None]:
